@@ -1,0 +1,58 @@
+"""The Python API: one call to generate with any method, on a loaded model or a model name."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from verispec.drafters import make_drafter
+from verispec.engine import Engine, Generation, StepEvent
+from verispec.types import SamplingParams
+
+
+def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, adaptive: bool = False,
+                 ngram_max: int = 3, ngram_min: int = 1, max_draft_length: int = 16) -> Engine:
+    """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS."""
+    from verispec.models import load_model
+
+    if isinstance(target, str):
+        target = load_model(target)
+    drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min)
+    return Engine.for_model(target, drafter, draft_length=draft_length, adaptive=adaptive,
+                            max_draft_length=max_draft_length, method=method)
+
+
+def _params(temperature=0.0, top_k=0, top_p=1.0, seed=None, max_new_tokens=128, stop=()) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          max_new_tokens=max_new_tokens, stop=tuple([stop] if isinstance(stop, str) else stop))
+
+
+def stream(target, prompt: str | None = None, *, chat=None, method: str = "ar", draft=None, draft_length: int = 5,
+           adaptive: bool = False, ngram_max: int = 3, ngram_min: int = 1, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_new_tokens: int = 128,
+           stop=()) -> Iterator[StepEvent]:
+    """Like generate(), but yields a StepEvent per verification step as tokens are accepted."""
+    from verispec.models import load_model
+
+    if isinstance(target, str):
+        target = load_model(target)
+    params = _params(temperature, top_k, top_p, seed, max_new_tokens, stop)
+    engine = build_engine(target, method, draft, draft_length, adaptive, ngram_max, ngram_min)
+    ids = target.encode(prompt=prompt, chat=chat)
+    yield from engine.stream(ids, params)
+
+
+def generate(target, prompt: str | None = None, **kwargs) -> Generation:
+    """Generate from `prompt` (raw text) or `chat=` (a user message or a list of messages).
+
+    Methods: "ar" (plain decoding), "ngram" (prompt lookup), "draft" (draft model, draft=...).
+    Sampling: temperature (0 = greedy), top_k, top_p, seed, max_new_tokens, stop.
+    """
+    from verispec.models import load_model
+
+    if isinstance(target, str):
+        target = load_model(target)
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min")}
+    chat = kwargs.pop("chat", None)
+    params = _params(**kwargs)
+    engine = build_engine(target, **opts)
+    return engine.generate(target.encode(prompt=prompt, chat=chat), params)

@@ -1,0 +1,93 @@
+"""`verispec generate` and `verispec models`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from verispec.cli import app, fail, friendly
+
+out = Console(highlight=False)
+
+
+def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+    if prompt_file is not None:
+        data = prompt_file.read_bytes()
+        return data.decode("utf-8")  # invalid UTF-8 raises UnicodeDecodeError -> one-line error
+    return prompt
+
+
+@app.command()
+@friendly
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="Raw prompt text (or use --chat / --prompt-file)."),
+    chat: Optional[str] = typer.Option(None, "--chat", "-c", help="A user chat message, wrapped in the model's chat template."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt (UTF-8) from a file."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
+    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft."),
+    draft_length: int = typer.Option(5, "--draft-length", "-k", help="Tokens drafted per step."),
+    adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length: longer after a full accept, shorter after a rejection."),
+    ngram_max: int = typer.Option(3, "--ngram-max", help="Longest suffix the n-gram drafter matches."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    top_p: float = typer.Option(1.0, "--top-p", help="1 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
+    compare: bool = typer.Option(False, "--compare", help="Also run plain decoding on the same input and print the speedup."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not stream the text, print only the statistics."),
+):
+    """Generate text with speculative decoding, streaming tokens as they are accepted."""
+    from verispec.api import build_engine
+    from verispec.models import load_model
+    from verispec.types import SamplingParams
+
+    text = _read_prompt(prompt, prompt_file)
+    if text is None and chat is None:
+        fail("give a prompt, --chat MESSAGE or --prompt-file FILE")
+    if text is not None and chat is not None:
+        fail("give either a prompt or --chat, not both")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            max_new_tokens=max_new_tokens, stop=tuple(stop))
+    if draft_length < 1:
+        fail(f"--draft-length must be >= 1, got {draft_length}")
+    target = load_model(model, dtype=dtype, device=device)
+    ids = target.encode(prompt=text, chat=chat)
+    engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max)
+    for event in engine.stream(ids, params):
+        if not quiet:
+            out.print(event.text, end="", markup=False)
+    result = engine.last
+    if not quiet:
+        out.print()
+    out.print(f"[dim]{method}: {result.stats.summary()} (finish: {result.finish_reason})[/]")
+    if compare and method != "ar":
+        plain = build_engine(target, "ar").generate(ids, params)
+        speedup = plain.stats.total_time / result.stats.total_time if result.stats.total_time else 0.0
+        same = "identical" if plain.token_ids == result.token_ids else "DIFFERENT"
+        out.print(f"[dim]ar: {plain.stats.summary()}[/]")
+        out.print(f"[bold]speedup {speedup:.2f}x over plain decoding; output {same} to plain decoding[/]")
+
+
+@app.command()
+@friendly
+def models():
+    """List the embedded default models and the conversion cache."""
+    from verispec.models.registry import EMBEDDED, cache_dir
+
+    table = Table(title="embedded models")
+    table.add_column("name")
+    table.add_column("description")
+    table.add_column("converted")
+    for name, entry in EMBEDDED.items():
+        conv = cache_dir() / "converted" / name
+        table.add_row(name, entry.description, str(conv) if (conv / "config.json").exists() else "not yet")
+    out.print(table)
+    out.print(f"cache: {cache_dir()}  (set VERISPEC_CACHE or XDG_CACHE_HOME to move it)")

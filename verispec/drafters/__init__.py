@@ -1,0 +1,42 @@
+"""Drafters behind one Protocol, and the registry that maps a method name to a drafter factory."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from verispec.drafters.base import DraftLengthSchedule, Drafter
+from verispec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
+from verispec.drafters.ngram import NGramDrafter
+from verispec.errors import InvalidParameter
+
+
+def _ar(target, **_):
+    return None
+
+
+def _ngram(target, ngram_max: int = 3, ngram_min: int = 1, **_):
+    return NGramDrafter(max_n=ngram_max, min_n=ngram_min)
+
+
+def _draft(target, draft=None, **_):
+    from verispec.models import LoadedModel, load_model
+
+    if draft is None:
+        raise InvalidParameter("method 'draft' needs a draft model; pass draft=... (CLI: --draft MODEL)")
+    if not isinstance(draft, LoadedModel):
+        draft = load_model(draft, dtype=target.dtype, device=target.device)
+    check_same_vocabulary(target.tokenizer, draft.tokenizer, target.name, draft.name)
+    return DraftModelDrafter(draft.model, target.vocab_size)
+
+
+# method name -> factory(target, **options) -> Drafter | None (None: plain autoregressive decoding)
+METHODS: dict[str, Callable] = {"ar": _ar, "ngram": _ngram, "draft": _draft}
+
+
+def make_drafter(method: str, target, **options) -> Drafter | None:
+    if method not in METHODS:
+        raise InvalidParameter(f"unknown method '{method}'; use one of {', '.join(METHODS)}")
+    return METHODS[method](target, **options)
+
+
+__all__ = ["Drafter", "DraftLengthSchedule", "DraftModelDrafter", "NGramDrafter", "METHODS", "make_drafter"]

@@ -1,0 +1,42 @@
+"""The drafter contract: propose tokens (with draft probabilities or none), then learn from the verdict."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from verispec.types import Proposal, SamplingParams, StepResult
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        """Start a new generation (reset any per-sequence state)."""
+
+    def propose(self, context: list[int], k: int) -> Proposal | None:
+        """Propose up to k tokens to follow `context` (prompt + committed output; its last token is not
+        yet in the target's cache). None or an empty proposal means: decode one token plainly."""
+
+    def observe(self, result: StepResult) -> None:
+        """Learn from what the target accepted (adapt tables, lengths, ...)."""
+
+
+class DraftLengthSchedule:
+    """Fixed draft length, or the simple adaptive schedule: +2 after a full accept, -1 after a rejection
+    (the heuristic transformers uses for assisted generation), kept within [1, maximum]."""
+
+    def __init__(self, length: int, adaptive: bool = False, maximum: int = 16):
+        self.length = length
+        self.adaptive = adaptive
+        self.maximum = max(maximum, length)
+
+    def observe(self, result: StepResult) -> None:
+        if not self.adaptive or result.num_drafted == 0:
+            return
+        if result.num_accepted == result.num_drafted:
+            self.length = min(self.maximum, self.length + 2)
+        else:
+            self.length = max(1, self.length - 1)

@@ -1,0 +1,88 @@
+"""Plain data passed around the loop: sampling parameters, a drafter's proposal, a step's verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from verispec.errors import InvalidParameter
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's distribution is shaped; the same transform is applied to the draft's.
+
+    temperature 0 means greedy. top_k 0 and top_p 1.0 mean "off".
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise InvalidParameter(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidParameter(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidParameter(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidParameter(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not s for s in self.stop):
+            raise InvalidParameter("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for one step.
+
+    tokens:      LongTensor [n]     drafted token ids (a chain, or the nodes of a tree in topological order)
+    draft_probs: FloatTensor [n, V] the draft distribution each token was drawn from (after the same
+                 sampling transform as the target), or None: the tokens count as point masses
+    parents:     list[int] | None   tree parent of each node (-1 = the pending root token); None = chain
+    """
+
+    tokens: "torch.Tensor"  # noqa: F821
+    draft_probs: "torch.Tensor | None" = None
+    parents: list[int] | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+TokenKind = Literal["prompt", "accepted", "recovered", "bonus"]
+
+
+@dataclass
+class StepResult:
+    """The verdict of one verification step.
+
+    tokens:       the tokens this step commits: accepted draft tokens, then one recovered token (after a
+                  rejection) or one bonus token (all drafts accepted, or nothing drafted)
+    num_accepted: how many draft tokens were accepted
+    num_drafted:  how many were proposed (tree: nodes)
+    accepted_nodes: proposal indices of the accepted nodes (chain: 0..num_accepted-1)
+    """
+
+    tokens: list[int]
+    num_accepted: int
+    num_drafted: int
+    accepted_nodes: list[int] = field(default_factory=list)
+
+    @property
+    def last_kind(self) -> TokenKind:
+        return "bonus" if self.num_accepted == self.num_drafted else "recovered"
+
+    def kinds(self) -> list[TokenKind]:
+        return ["accepted"] * self.num_accepted + [self.last_kind]
