@@ -37,7 +37,7 @@ def tiny_llama(vocab: int = 32, seed: int = 0, layers: int = 2, hidden: int = 32
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=eos if eos is not None else vocab + 1, bos_token_id=0, pad_token_id=0,
+                      eos_token_id=eos, bos_token_id=0, pad_token_id=0,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():  # sharpen the random logits a little so greedy paths are not all near-ties
@@ -52,7 +52,7 @@ def tiny_gemma3(vocab: int = 32, seed: int = 0, layers: int = 3, hidden: int = 3
     cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                            sliding_window=sliding_window, layer_types=["sliding_attention", "sliding_attention", "full_attention"][:layers],
-                           eos_token_id=vocab + 1, bos_token_id=0, pad_token_id=0)
+                           eos_token_id=None, bos_token_id=0, pad_token_id=0)
     model = Gemma3ForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0) if not cfg.tie_word_embeddings else model.model.embed_tokens.weight.mul_(4.0)
