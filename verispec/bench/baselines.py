@@ -1,0 +1,193 @@
+"""Everything a benchmark can time, behind one small interface: verispec methods and outside baselines.
+
+A contender turns prompt token ids into greedy output token ids (EOS not included) and, where it can,
+speculation statistics. Baselines run on the same loaded model, dtype and prompt ids as verispec:
+  hf           transformers generate(), plain greedy
+  hf-pld       transformers assisted generation with prompt lookup (prompt_lookup_num_tokens)
+  hf-assisted  transformers assisted generation with assistant_model = the draft model
+  llamacpp     llama.cpp through llama-cpp-python on the model's GGUF file (only when importable), plain
+  llamacpp-pld llama.cpp with its prompt-lookup speculative mode
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.errors import InvalidParameter
+
+BASELINES = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld")
+
+
+@dataclass
+class MethodSpec:
+    """A verispec method with its engine options; `options` pass through to build_engine unchanged, so
+    engine options added later (trees, backends) need no change here."""
+
+    method: str
+    draft_length: int = 5
+    options: dict = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            extra = ",".join(f"{k}={v}" for k, v in self.options.items())
+            self.label = self.method + (f"[{extra}]" if extra else "")
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method(spec: str, draft_length: int = 5) -> MethodSpec:
+    """'ngram' or 'ngram:draft_length=4,ngram_max=3,label=pld4' -> MethodSpec."""
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise InvalidParameter(f"empty method in '{spec}'")
+    options: dict = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or not key.strip():
+            raise InvalidParameter(f"method option '{item}' in '{spec}' is not key=value")
+        options[key.strip()] = _value(val.strip())
+    label = str(options.pop("label", "") or "")
+    k = options.pop("draft_length", options.pop("k", draft_length))
+    if not isinstance(k, int) or k < 1:
+        raise InvalidParameter(f"draft_length must be an integer >= 1 in '{spec}'")
+    return MethodSpec(name, draft_length=k, options=options, label=label)
+
+
+def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i]
+    return ids
+
+
+class VerispecContender:
+    kind = "verispec"
+
+    def __init__(self, target, spec: MethodSpec, draft=None, engine=None):
+        from verispec.api import build_engine
+        from verispec.drafters import METHODS
+
+        self.label, self.spec = spec.label, spec
+        if engine is None:
+            if spec.method not in METHODS:
+                raise InvalidParameter(f"unknown method '{spec.method}'; use one of {', '.join(METHODS)}")
+            try:
+                engine = build_engine(target, spec.method, draft=draft, draft_length=spec.draft_length, **spec.options)
+            except TypeError as exc:  # an option build_engine does not take
+                raise InvalidParameter(f"method '{spec.label}': {exc}") from exc
+        self.engine = engine
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int):
+        from verispec.types import SamplingParams
+
+        gen = self.engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+        return list(gen.token_ids), gen.stats.to_dict()
+
+
+class HFContender:
+    """transformers generate() on the target's own model object (greedy, batch 1)."""
+
+    kind = "baseline"
+
+    def __init__(self, target, label: str = "hf", prompt_lookup: int | None = None, assistant=None):
+        from transformers import GenerationConfig
+
+        self.label, self.target, self.assistant = label, target, assistant
+        self.eos = target.eos_token_ids
+        cfg = target.model.config
+        pad = getattr(cfg, "pad_token_id", None)
+        if pad is None:
+            pad = min(self.eos) if self.eos else 0
+        # a fresh config: the model's own generation_config may ask for sampling
+        self.config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=sorted(self.eos) or None,
+                                       pad_token_id=pad, prompt_lookup_num_tokens=prompt_lookup)
+        self.options = {"prompt_lookup_num_tokens": prompt_lookup,
+                        "assistant_model": getattr(assistant, "name", None) if assistant is not None else None}
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int):
+        dev = self.target.device
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+        kwargs = {}
+        if self.assistant is not None:
+            kwargs["assistant_model"] = self.assistant.model
+        config = copy.deepcopy(self.config)
+        config.max_new_tokens = max_new_tokens
+        out = self.target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         generation_config=config, **kwargs)
+        return _strip_eos(out[0, len(prompt_ids):].tolist(), self.eos), None
+
+
+def llamacpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaCppContender:
+    """llama.cpp on the model's GGUF file (the quantized original, so outputs may differ from the
+    dequantized transformers model: a baseline for speed, not for exactness)."""
+
+    kind = "baseline"
+
+    def __init__(self, target, label: str = "llamacpp", prompt_lookup: int | None = None, threads: int | None = None):
+        import llama_cpp
+
+        if target.gguf_path is None:
+            raise InvalidParameter(f"llama.cpp needs a GGUF file; {target.name} was not loaded from one")
+        draft = None
+        if prompt_lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup)
+        self.label = label
+        self.llm = llama_cpp.Llama(model_path=str(target.gguf_path), n_ctx=min(target.context_length, 4096),
+                                   n_threads=threads, draft_model=draft, verbose=False)
+        self.eos = {int(self.llm.token_eos())} | set(target.eos_token_ids)
+        self.options = {"gguf": str(target.gguf_path), "prompt_lookup": prompt_lookup}
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int):
+        out: list[int] = []
+        for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if tok in self.eos:
+                break
+            out.append(int(tok))
+            if len(out) >= max_new_tokens:
+                break
+        return out, None
+
+
+def make_baseline(name: str, target, draft=None, draft_length: int = 5, threads: int | None = None):
+    """A baseline contender, or None (with the reason) when it cannot run here."""
+    if name == "hf":
+        return HFContender(target, "hf"), None
+    if name == "hf-pld":
+        return HFContender(target, "hf-pld", prompt_lookup=draft_length), None
+    if name == "hf-assisted":
+        if draft is None:
+            return None, "hf-assisted needs a draft model (--draft)"
+        return HFContender(target, "hf-assisted", assistant=draft), None
+    if name in ("llamacpp", "llamacpp-pld"):
+        if not llamacpp_available():
+            return None, "llama-cpp-python is not installed"
+        if target.gguf_path is None:
+            return None, f"{target.name} has no GGUF file"
+        return LlamaCppContender(target, name, prompt_lookup=draft_length if name.endswith("pld") else None,
+                                 threads=threads), None
+    raise InvalidParameter(f"unknown baseline '{name}'; use any of {', '.join(BASELINES)}")

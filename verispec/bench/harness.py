@@ -1,0 +1,344 @@
+"""A Spec-Bench style harness: methods x prompts, greedy, batch 1, timed from prompt to last token.
+
+How it runs (after Spec-Bench, Xia et al. 2024, and its evaluation scripts):
+- every contender (verispec methods and baselines) is warmed up first, untimed;
+- questions are taken one at a time and EVERY contender answers it before the next question, in an order
+  that rotates from question to question, so drift of a shared, noisy machine hits all of them alike;
+- a multi-turn question is answered turn by turn, each contender continuing its own conversation with
+  its own earlier answer; a question's time is the sum of its turns' generate() times;
+- plain decoding ("ar") always runs: it is the reference for speedups and for greedy exactness. Any
+  verispec output that differs from it is a bug in a lossless method and is reported loudly.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.bench.baselines import MethodSpec, VerispecContender, make_baseline, parse_method
+from verispec.bench.prompts import Question
+from verispec.errors import InvalidParameter
+from verispec.theory import CostCurve
+
+SCHEMA = "verispec-bench/1"
+REFERENCE = "ar"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(target=None) -> dict:
+    """Versions and hardware, stored with every result so runs on different machines can be compared."""
+    import transformers
+
+    import verispec
+
+    env = {
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "verispec": getattr(verispec, "__version__", None),
+        "git_commit": _git_commit(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import llama_cpp
+
+        env["llama_cpp_python"] = llama_cpp.__version__
+    except ImportError:
+        env["llama_cpp_python"] = None
+    if target is not None:
+        env.update(model=target.name, dtype=str(target.dtype).replace("torch.", ""), device=str(target.device))
+    return env
+
+
+class Conversation:
+    """One contender's conversation on one question: chat template messages, or raw token concatenation
+    (for tokenizers without a chat template)."""
+
+    def __init__(self, target, chat: bool):
+        self.target, self.chat = target, chat
+        self.messages: list[dict] = []
+        self.ids: list[int] = []
+
+    def ask(self, turn: str) -> list[int]:
+        if self.chat:
+            self.messages.append({"role": "user", "content": turn})
+            return self.target.encode(chat=self.messages)
+        self.ids = self.ids + self.target.encode(prompt=turn)
+        return list(self.ids)
+
+    def answer(self, token_ids: list[int]) -> None:
+        if self.chat:
+            self.messages.append({"role": "assistant", "content": self.target.decode(token_ids)})
+        else:
+            self.ids = self.ids + list(token_ids)
+
+
+def _resolve_chat(target, mode: str) -> bool:
+    has_template = bool(getattr(target.tokenizer, "chat_template", None))
+    if mode == "auto":
+        return has_template
+    if mode == "chat":
+        if not has_template:
+            raise InvalidParameter(f"{target.name}'s tokenizer has no chat template; use raw prompts (--prompt-mode raw)")
+        return True
+    if mode == "raw":
+        return False
+    raise InvalidParameter(f"prompt mode must be auto, chat or raw, got '{mode}'")
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _contenders(target, methods, draft, baselines, draft_length, threads):
+    """Build contenders; the plain-decoding reference comes first."""
+    built, skipped = [], {}
+    specs = []
+    for m in methods:
+        if isinstance(m, str):
+            m = parse_method(m, draft_length)
+        specs.append(m)
+    if not any(isinstance(s, MethodSpec) and s.label == REFERENCE for s in specs):
+        specs.insert(0, MethodSpec("ar", draft_length=draft_length, label=REFERENCE))
+    for s in specs:
+        c = VerispecContender(target, s, draft=draft) if isinstance(s, MethodSpec) else s
+        built.append(c)
+    for name in baselines:
+        c, why = make_baseline(name, target, draft=draft, draft_length=draft_length, threads=threads)
+        if c is None:
+            skipped[name] = why
+        else:
+            built.append(c)
+    labels = [c.label for c in built]
+    if len(set(labels)) != len(labels):
+        raise InvalidParameter(f"two contenders share a label ({', '.join(labels)}); give them label=... options")
+    return built, skipped
+
+
+def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None = None, *, draft=None,
+              baselines=(), max_new_tokens: int = 64, draft_length: int = 5, warmup: int = 1,
+              prompt_mode: str = "auto", roofline=None, progress: bool = True, threads: int | None = None,
+              dtype: str = "float32", device: str | None = "cpu", prompt_set: str = "") -> dict:
+    """Run the benchmark and return the full result (JSON-ready): config, environment, every run, summary.
+
+    target: a LoadedModel or a model name (loaded with dtype/device). methods: method names, specs like
+    'ngram:draft_length=4', MethodSpec objects, or ready contenders (objects with label, kind, generate).
+    draft: the draft model (LoadedModel or name) for 'draft' and 'hf-assisted'. roofline: a roofline
+    result or file for the predicted speedup with the measured verification cost."""
+    from verispec.models import LoadedModel, load_model
+
+    if not questions:
+        raise InvalidParameter("no questions to run")
+    if max_new_tokens < 1:
+        raise InvalidParameter(f"max new tokens must be >= 1, got {max_new_tokens}")
+    if threads is not None:
+        if threads < 1:
+            raise InvalidParameter(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    if isinstance(target, str):
+        target = load_model(target, dtype=dtype, device=device)
+    if draft is not None and not isinstance(draft, LoadedModel):
+        draft = load_model(draft, dtype=target.dtype, device=target.device)
+    curve = None
+    if roofline is not None:
+        curve = roofline if isinstance(roofline, CostCurve) else CostCurve.from_roofline(roofline)
+    chat = _resolve_chat(target, prompt_mode)
+    contenders, skipped = _contenders(target, methods, draft, baselines, draft_length, threads)
+
+    # questions that do not fit the context window are skipped for every contender alike
+    runnable, skipped_q = [], []
+    for q in questions:
+        conv = Conversation(target, chat)
+        # later turns are estimated by their raw length (the chat template adds a few tokens)
+        n = len(conv.ask(q.turns[0])) + max_new_tokens * len(q.turns) + sum(
+            len(target.encode(prompt=t)) + 8 for t in q.turns[1:])
+        if n >= target.context_length:
+            skipped_q.append({"question_id": q.question_id, "reason": f"needs ~{n} positions > {target.context_length}"})
+        else:
+            runnable.append(q)
+    if not runnable:
+        raise InvalidParameter("no question fits the model's context window with these settings")
+
+    warm_ids = Conversation(target, chat).ask(runnable[0].turns[0])
+    for c in contenders:
+        for _ in range(warmup):
+            c.generate(warm_ids, min(max_new_tokens, 16))
+
+    from tqdm.auto import tqdm
+
+    runs = []
+    bar = tqdm(total=len(runnable) * len(contenders), disable=not progress, unit="run", desc="bench", file=sys.stderr)
+    for qi, q in enumerate(runnable):
+        shift = qi % len(contenders)
+        for c in contenders[shift:] + contenders[:shift]:
+            bar.set_postfix_str(f"{q.category} #{q.question_id} {c.label}")
+            conv = Conversation(target, chat)
+            turns = []
+            for turn in q.turns:
+                ids = conv.ask(turn)
+                t0 = time.perf_counter()
+                out, stats = c.generate(ids, max_new_tokens)
+                elapsed = time.perf_counter() - t0
+                conv.answer(out)
+                turns.append({"prompt_tokens": len(ids), "new_tokens": len(out), "time_s": elapsed,
+                              "token_ids": out, "stats": stats})
+            runs.append({"question_id": q.question_id, "category": q.category, "method": c.label,
+                         "kind": getattr(c, "kind", "verispec"), "order": qi,
+                         "new_tokens": sum(t["new_tokens"] for t in turns),
+                         "time_s": sum(t["time_s"] for t in turns), "turns": turns})
+            bar.update(1)
+    bar.close()
+
+    result = {
+        "schema": SCHEMA,
+        "config": {
+            "model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+            "draft": getattr(draft, "name", None), "prompt_set": prompt_set, "prompt_mode": "chat" if chat else "raw",
+            "max_new_tokens": max_new_tokens, "draft_length": draft_length, "warmup": warmup,
+            "greedy": True, "batch_size": 1,
+            "contenders": [{"label": c.label, "kind": getattr(c, "kind", "verispec"),
+                            "method": getattr(getattr(c, "spec", None), "method", None),
+                            "draft_length": getattr(getattr(c, "spec", None), "draft_length", None),
+                            "options": getattr(getattr(c, "spec", None), "options", None) or getattr(c, "options", {})}
+                           for c in contenders],
+            "skipped_contenders": skipped, "skipped_questions": skipped_q,
+            "roofline": getattr(curve, "source", None) if curve is not None else None,
+        },
+        "environment": environment(target),
+        "questions": [q.to_dict() for q in runnable],
+        "runs": runs,
+    }
+    if curve is not None:
+        result["cost_curve"] = {"ns": curve.ns, "times_s": curve.times}
+    result["mismatches"] = find_mismatches(runs)
+    result["summary"] = summarize(runs, curve)
+    return result
+
+
+def find_mismatches(runs: list[dict]) -> list[dict]:
+    """Every (question, contender, turn) whose greedy output differs from plain decoding's."""
+    ref = {r["question_id"]: r for r in runs if r["method"] == REFERENCE}
+    found = []
+    for r in runs:
+        base = ref.get(r["question_id"])
+        if r["method"] == REFERENCE or base is None:
+            continue
+        for ti, (t, bt) in enumerate(zip(r["turns"], base["turns"])):
+            d = _first_diff(t["token_ids"], bt["token_ids"])
+            if d is not None:
+                found.append({"question_id": r["question_id"], "category": r["category"], "method": r["method"],
+                              "kind": r["kind"], "turn": ti, "first_difference_at": d,
+                              "plain_tokens": len(bt["token_ids"]), "method_tokens": len(t["token_ids"])})
+                break  # later turns continue a different conversation
+    return found
+
+
+_SUMMED = ("steps", "drafted", "accepted", "committed", "draft_time", "verify_time", "prefill_time")
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in runs)
+    secs = sum(r["time_s"] for r in runs)
+    agg = {"questions": len(runs), "new_tokens": tokens, "time_s": secs,
+           "tokens_per_second": tokens / secs if secs > 0 else 0.0}
+    stats = [t["stats"] for r in runs for t in r["turns"] if t["stats"]]
+    if stats:
+        s = {k: sum(st.get(k, 0) or 0 for st in stats) for k in _SUMMED}
+        width = max((len(st.get("drafted_by_position", [])) for st in stats), default=0)
+        dpos, apos = [0] * width, [0] * width
+        for st in stats:
+            for i, v in enumerate(st.get("drafted_by_position", [])):
+                dpos[i] += v
+            for i, v in enumerate(st.get("accepted_by_position", [])):
+                apos[i] += v
+        loop = s["draft_time"] + s["verify_time"]
+        agg.update(
+            steps=s["steps"], drafted=s["drafted"], accepted=s["accepted"], committed=s["committed"],
+            mean_accepted_length=s["committed"] / s["steps"] if s["steps"] else 0.0,
+            acceptance_rate=s["accepted"] / s["drafted"] if s["drafted"] else None,
+            mean_draft_length=s["drafted"] / s["steps"] if s["steps"] else 0.0,
+            acceptance_by_position=[a / d if d else 0.0 for a, d in zip(apos, dpos)],
+            draft_time_s=s["draft_time"], verify_time_s=s["verify_time"], prefill_time_s=s["prefill_time"],
+            draft_share=s["draft_time"] / loop if loop > 0 else 0.0,
+            verify_share=s["verify_time"] / loop if loop > 0 else 0.0,
+        )
+    return agg
+
+
+def _predict(agg: dict, ref: dict, curve: CostCurve | None) -> None:
+    """Theory's speedup from this run's own rates: tau / (k c + verification cost), with c the measured draft
+    time per drafted token in plain-decoding forwards (Leviathan et al. 2023, Sec. 3.4)."""
+    if not agg.get("steps") or not ref.get("steps") or not ref.get("verify_time_s"):
+        return
+    t_forward = ref["verify_time_s"] / ref["steps"]  # one plain decoding step = one 1-position forward
+    k = agg["mean_draft_length"]
+    c = (agg["draft_time_s"] / agg["drafted"]) / t_forward if agg["drafted"] else 0.0
+    tau = agg["mean_accepted_length"]
+    agg["draft_cost_ratio"] = c
+    agg["verify_cost_ratio"] = (agg["verify_time_s"] / agg["steps"]) / t_forward
+    agg["predicted_speedup_flat"] = tau / (k * c + 1.0)
+    if curve is not None:
+        agg["predicted_speedup_curve"] = tau / (k * c + curve.ratio(k + 1))
+
+
+def summarize(runs: list[dict], curve: CostCurve | None = None) -> dict:
+    """Per contender: per category and overall figures; speedups against plain decoding on the same
+    questions (tokens per second over the group, Spec-Bench's ratio of speeds)."""
+    cats = list(dict.fromkeys(r["category"] for r in runs))
+    labels = list(dict.fromkeys(r["method"] for r in runs))
+    bad = {(m["question_id"], m["method"]) for m in find_mismatches(runs)}
+    out = {}
+    for label in labels:
+        mine = [r for r in runs if r["method"] == label]
+        entry = {"kind": mine[0]["kind"], "categories": {}}
+        groups = [(cat, [r for r in mine if r["category"] == cat]) for cat in cats] + [("overall", mine)]
+        for name, group in groups:
+            if not group:
+                continue
+            qids = {r["question_id"] for r in group}
+            ref_group = [r for r in runs if r["method"] == REFERENCE and r["question_id"] in qids]
+            agg = _aggregate(group)
+            ref = _aggregate(ref_group) if ref_group else {}
+            agg["speedup"] = agg["tokens_per_second"] / ref["tokens_per_second"] if ref.get("tokens_per_second") else None
+            agg["matches_plain"] = sum((r["question_id"], label) not in bad for r in group)
+            _predict(agg, ref, curve)
+            if name == "overall":
+                entry["overall"] = agg
+            else:
+                entry["categories"][name] = agg
+        out[label] = entry
+    return out
