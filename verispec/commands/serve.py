@@ -1,0 +1,69 @@
+"""`verispec serve`: the OpenAI-compatible HTTP server (verispec.server) under uvicorn."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+from verispec.cli import app, err, fail, friendly
+
+
+@app.command()
+@friendly
+def serve(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
+    method: str = typer.Option("ar", "--method", help="Default method: ar (plain), ngram, draft; requests may override it."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for method 'draft' (loaded once)."),
+    draft_length: int = typer.Option(5, "--draft-length", "-k", help="Default tokens drafted per step."),
+    adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length by default."),
+    ngram_max: int = typer.Option(3, "--ngram-max", help="Longest suffix the n-gram drafter matches."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; the default is reachable from this machine only."),
+    port: int = typer.Option(8000, "--port", "-p"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 (or set VERISPEC_API_KEY)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
+    max_tokens: int = typer.Option(2048, "--max-tokens", help="Most tokens a request may ask for."),
+    default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="Tokens generated when a request gives no max_tokens."),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Longest prompt accepted (default: the context window)."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the engine; more get 429."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds a request may take, queue wait included."),
+    workers: int = typer.Option(1, "--workers", help="Generations run at once (engine threads sharing the model)."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+):
+    """Serve a model over an OpenAI-compatible HTTP API, with a live page at / showing the drafts."""
+    import uvicorn
+
+    from verispec.drafters import METHODS
+    from verispec.models import load_model
+    from verispec.server import ServerConfig, create_app
+
+    if method not in METHODS:
+        fail(f"unknown method '{method}'; use one of {', '.join(METHODS)}")
+    if method == "draft" and draft is None:
+        fail("--method draft needs --draft MODEL")
+    for label, value, low in (("--draft-length", draft_length, 1), ("--max-tokens", max_tokens, 1),
+                              ("--default-max-tokens", default_max_tokens, 1), ("--max-body-bytes", max_body_bytes, 1),
+                              ("--max-queue", max_queue, 0), ("--workers", workers, 1), ("--port", port, 0)):
+        if value < low:
+            fail(f"{label} must be >= {low}, got {value}")
+    if default_max_tokens > max_tokens:
+        fail(f"--default-max-tokens ({default_max_tokens}) must not exceed --max-tokens ({max_tokens})")
+    if timeout <= 0:
+        fail(f"--timeout must be > 0, got {timeout}")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        err.print(f"[yellow]warning:[/] binding {host} without --api-key: anyone who can reach this address can use the model")
+
+    target = load_model(model, dtype=dtype, device=device)
+    draft_model = load_model(draft, dtype=dtype, device=device) if draft is not None else None
+    config = ServerConfig(method=method, draft_length=draft_length, adaptive=adaptive,
+                          engine_options={"ngram_max": ngram_max}, default_max_tokens=default_max_tokens,
+                          max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
+                          max_queue=max_queue, timeout=timeout, api_key=api_key, workers=workers)
+    server_app = create_app(target, config, draft=draft_model)
+    err.print(f"serving {target.name} ({method}) on http://{host}:{port}/  (OpenAI API under /v1, metrics at /metrics)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    uvicorn.run(server_app, host=host, port=port, log_level=log_level)

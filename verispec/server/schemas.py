@@ -1,0 +1,164 @@
+"""Request bodies of the HTTP API (pydantic), shaped like OpenAI's so existing clients work unchanged.
+
+Ranges that do not depend on the server's configuration are checked here (temperature in [0, 2] as
+OpenAI documents it, top_p in (0, 1], n >= 1); limits that do (max_tokens, prompt length) are checked
+in the app. Unknown top-level fields are ignored, as OpenAI-compatible servers usually do, except
+those that would silently change the output (logprobs, penalties, tools, ...): those are refused.
+Speculation settings travel in the extension object "verispec" (openai client: extra_body=).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SpeculationOptions(BaseModel):
+    """The "verispec" extension object of a request.
+
+    method/draft_length/adaptive/... are engine options: every keyword that
+    verispec.api.build_engine takes is accepted (extra fields are kept and checked against its
+    signature at request time), so options added to the engine later work without a server change.
+    timeout can only shorten the server's per-request timeout.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    method: str | None = None
+    draft_length: int | None = Field(None, ge=1, le=64)
+    adaptive: bool | None = None
+    timeout: float | None = Field(None, gt=0)
+
+    def engine_options(self) -> dict[str, Any]:
+        opts = {k: v for k, v in self.model_dump(exclude={"timeout"}).items() if v is not None}
+        opts.update({k: v for k, v in (self.model_extra or {}).items()})
+        return opts
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)   # not OpenAI, but vLLM and others accept it
+    max_tokens: int | None = Field(None, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    verispec: SpeculationOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        items = [v] if isinstance(v, str) else list(v)
+        if len(items) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return items
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, reason) for fields set to something this engine cannot honour without changing the
+        output distribution; the app turns the first into a 400."""
+        out = []
+        if self.n != 1:
+            out.append(("n", "n must be 1: this server generates one choice per request; send several requests instead"))
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                out.append((name, f"{name} is not supported (speculative decoding here keeps the model's exact distribution); leave it at 0"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported; leave it out"))
+        return out
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not supported by this server; leave them out"))
+        if self.tools:
+            out.append(("tools", "tool calling is not supported by this server; leave tools out"))
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(("response_format", "only response_format type 'text' is supported"))
+        return out
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs:
+            out.append(("logprobs", "logprobs are not supported by this server; leave them out"))
+        if self.echo:
+            out.append(("echo", "echo is not supported by this server; leave it out"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "best_of must be 1"))
+        if self.suffix:
+            out.append(("suffix", "suffix (insertion) is not supported by this server"))
+        return out
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class RaceLane(SpeculationOptions):
+    """One side of a race: engine options (method "ar" is plain decoding)."""
+
+
+class RaceRequest(BaseModel):
+    """POST /v1/verispec/race: the same prompt decoded by several methods, interleaved on one worker."""
+
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    lanes: list[RaceLane] | None = Field(None, min_length=1, max_length=4)
