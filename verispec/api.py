@@ -6,19 +6,39 @@ from typing import Iterator
 
 from verispec.drafters import make_drafter
 from verispec.engine import Engine, Generation, StepEvent
+from verispec.tree import parse_tree
 from verispec.types import SamplingParams
+
+TREE_OPTIONS = ("tree", "tree_budget", "tree_topk", "tree_depth", "verify_cost")
+BACKEND_OPTIONS = ("backend", "exact", "compile")
 
 
 def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, adaptive: bool = False,
-                 ngram_max: int = 3, ngram_min: int = 1, max_draft_length: int = 16) -> Engine:
-    """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS."""
+                 ngram_max: int = 3, ngram_min: int = 1, max_draft_length: int = 16, *, tree=None,
+                 tree_budget: int | str | None = None, tree_topk: int | None = None, tree_depth: int | None = None,
+                 verify_cost: dict[int, float] | None = None, backend: str = "auto", exact: bool | None = None,
+                 compile: bool = False) -> Engine:
+    """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS.
+
+    Trees (methods ngram and draft): tree = "dynamic", "static:<name>" (names in tree.STATIC_TREES),
+    a list of paths such as [[0], [1], [0, 0]], or a tree.StaticTree / tree.DynamicTree; tree_budget
+    (dynamic: nodes per step, or "auto" to choose it from the verification cost curve `verify_cost`
+    {positions: seconds}, measured on the model when not given), tree_topk (dynamic: branching),
+    tree_depth (maximum depth).
+
+    Backend: "auto" (verispec.fast when the family has a fast module, else transformers), "hf", "fast".
+    exact (fast path): True/False, None = on for greedy (bit-identical speculative and plain output);
+    compile (fast path): torch.compile the decode/verify passes (slow first calls).
+    """
     from verispec.models import load_model
 
     if isinstance(target, str):
         target = load_model(target)
-    drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min)
+    shape = parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)
+    drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min, backend=backend)
     return Engine.for_model(target, drafter, draft_length=draft_length, adaptive=adaptive,
-                            max_draft_length=max_draft_length, method=method)
+                            max_draft_length=max_draft_length, method=method, tree=shape, verify_cost=verify_cost,
+                            backend=backend, runner_options={"exact": exact, "compile": compile})
 
 
 def _params(temperature=0.0, top_k=0, top_p=1.0, seed=None, max_new_tokens=128, stop=()) -> SamplingParams:
@@ -29,14 +49,17 @@ def _params(temperature=0.0, top_k=0, top_p=1.0, seed=None, max_new_tokens=128, 
 def stream(target, prompt: str | None = None, *, chat=None, method: str = "ar", draft=None, draft_length: int = 5,
            adaptive: bool = False, ngram_max: int = 3, ngram_min: int = 1, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_new_tokens: int = 128,
-           stop=()) -> Iterator[StepEvent]:
+           stop=(), **tree_options) -> Iterator[StepEvent]:
     """Like generate(), but yields a StepEvent per verification step as tokens are accepted."""
     from verispec.models import load_model
 
     if isinstance(target, str):
         target = load_model(target)
     params = _params(temperature, top_k, top_p, seed, max_new_tokens, stop)
-    engine = build_engine(target, method, draft, draft_length, adaptive, ngram_max, ngram_min)
+    unknown = set(tree_options) - set(TREE_OPTIONS) - set(BACKEND_OPTIONS)
+    if unknown:
+        raise TypeError(f"stream() got unexpected keyword arguments {sorted(unknown)}")
+    engine = build_engine(target, method, draft, draft_length, adaptive, ngram_max, ngram_min, **tree_options)
     ids = target.encode(prompt=prompt, chat=chat)
     yield from engine.stream(ids, params)
 
@@ -46,12 +69,13 @@ def generate(target, prompt: str | None = None, **kwargs) -> Generation:
 
     Methods: "ar" (plain decoding), "ngram" (prompt lookup), "draft" (draft model, draft=...).
     Sampling: temperature (0 = greedy), top_k, top_p, seed, max_new_tokens, stop.
+    Trees: tree, tree_budget, tree_topk, tree_depth, verify_cost (see build_engine).
     """
     from verispec.models import load_model
 
     if isinstance(target, str):
         target = load_model(target)
-    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min")}
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min") + TREE_OPTIONS + BACKEND_OPTIONS}
     chat = kwargs.pop("chat", None)
     params = _params(**kwargs)
     engine = build_engine(target, **opts)

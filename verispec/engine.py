@@ -7,6 +7,10 @@
       result   = rule(proposal, logits)  accepted tokens + one recovered/bonus token
       crop the target cache to the accepted length; the drafter re-syncs on its next proposal
       stats.observe(result)
+
+With a tree shape (tree.py) the drafter proposes a tree (Proposal.parents), the target scores all its
+nodes in one forward under a tree attention mask (runner.forward_tree), tree_acceptance.py walks it, and
+the accepted path's KV entries are compacted into contiguous slots (runner.compact).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from verispec.drafters.base import DraftLengthSchedule, Drafter
 from verispec.errors import InvalidParameter, InvalidPrompt
 from verispec.metrics import SpecStats
 from verispec.sampling import logits_to_probs, make_generator
-from verispec.types import SamplingParams, StepResult
+from verispec.tree import (DynamicTree, RankAcceptance, StaticTree, TreeLayout, TreeShape, choose_budget,
+                           measure_verify_cost, parse_tree)
+from verispec.tree_acceptance import greedy_tree_verify, tree_speculative_verify
+from verispec.types import Proposal, SamplingParams, StepResult
 
 
 @dataclass
@@ -80,9 +87,22 @@ class Engine:
 
     def __init__(self, runner, eos_ids: set[int], decode: Callable[[list[int]], str], context_length: int,
                  drafter: Drafter | None = None, draft_length: int = 5, adaptive: bool = False,
-                 max_draft_length: int = 16, method: str | None = None, device: torch.device | str = "cpu"):
+                 max_draft_length: int = 16, method: str | None = None, device: torch.device | str = "cpu",
+                 tree: TreeShape | str | None = None, verify_cost: dict[int, float] | None = None):
         if not isinstance(draft_length, int) or draft_length < 1:
             raise InvalidParameter(f"draft length must be an integer >= 1, got {draft_length}")
+        self.tree = parse_tree(tree)
+        if self.tree is not None:
+            if drafter is None:
+                raise InvalidParameter("a tree needs a drafter; choose a method other than 'ar'")
+            if not callable(getattr(drafter, "propose_tree", None)):
+                raise InvalidParameter(f"the '{drafter.name}' drafter cannot make trees; drop the tree option")
+            if not callable(getattr(runner, "forward_tree", None)) or not callable(getattr(runner, "compact", None)):
+                raise InvalidParameter("this target backend cannot verify trees; drop the tree option")
+        # hardware-aware budget (DynamicTree(budget=None)): cost curve measured once, acceptance by rank
+        # learned across generations
+        self.verify_cost = verify_cost
+        self.rank_acceptance = RankAcceptance()
         self.runner, self.eos_ids, self.decode = runner, set(eos_ids), decode
         self.context_length = context_length
         self.drafter = drafter
@@ -92,11 +112,35 @@ class Engine:
         self.last: Generation | None = None
 
     @classmethod
-    def for_model(cls, target, drafter: Drafter | None = None, **kwargs) -> "Engine":
-        from verispec.runner import HFRunner
+    def for_model(cls, target, drafter: Drafter | None = None, backend: str = "auto",
+                  runner_options: dict | None = None, **kwargs) -> "Engine":
+        """backend: "auto" (the fast path when the model family has one, else transformers), "hf" or
+        "fast"; runner_options go to verispec.fast.FastRunner (exact, compile, ...)."""
+        from verispec.fast import make_runner
 
-        return cls(HFRunner(target.model), target.eos_token_ids, target.decode, target.context_length,
+        # slack past the context for tree nodes that share the last positions
+        runner = make_runner(target.model, backend, capacity=target.context_length + 256, **(runner_options or {}))
+        return cls(runner, target.eos_token_ids, target.decode, target.context_length,
                    drafter=drafter, device=target.device, **kwargs)
+
+    def tree_shape(self, max_depth: int) -> TreeShape:
+        """The tree to ask the drafter for this step, cut to `max_depth` (the room left)."""
+        tree = self.tree
+        if isinstance(tree, StaticTree):
+            return tree.truncated(max_depth) if tree.depth > max_depth else tree
+        budget = tree.budget
+        if budget is None:
+            if self.verify_cost is None:
+                self.verify_cost = measure_verify_cost(self.runner)
+            budget = choose_budget(self.rank_acceptance.profile(), self.verify_cost, max_depth=tree.depth).budget
+        return DynamicTree(budget=budget, topk=tree.topk, depth=min(tree.depth, max_depth))
+
+    def verify_tree(self, proposal: Proposal, layout: TreeLayout, logits: torch.Tensor, params: SamplingParams,
+                    generator) -> StepResult:
+        if params.greedy:
+            return greedy_tree_verify(proposal.tokens, proposal.parents, logits)
+        probs = logits_to_probs(logits, params)
+        return tree_speculative_verify(proposal.tokens, proposal.parents, proposal.draft_probs, probs, generator)
 
     def verify(self, proposal, logits: torch.Tensor, params: SamplingParams, generator) -> StepResult:
         draft = proposal.tokens if proposal is not None else torch.empty(0, dtype=torch.long)
@@ -113,7 +157,8 @@ class Engine:
             raise InvalidPrompt(f"the prompt has {len(prompt_ids)} tokens but the model takes at most "
                                 f"{self.context_length}; shorten it")
         t_start = time.perf_counter()
-        stats = SpecStats(method=self.method, prompt_tokens=len(prompt_ids))
+        stats = SpecStats(method=self.method, prompt_tokens=len(prompt_ids),
+                          tree=self.tree.describe() if self.tree is not None else "")
         generator = make_generator(params.seed, self.device)
         schedule = DraftLengthSchedule(self.draft_length, self.adaptive, self.max_draft_length)
         text = _TextTracker(self.decode, params.stop)
@@ -123,6 +168,8 @@ class Engine:
         finish = ""
 
         self.runner.reset()
+        if hasattr(self.runner, "prepare"):  # fast path: exact mode follows greedy decoding
+            self.runner.prepare(params)
         if len(context) > 1:
             self.runner.forward(context[:-1], last_only=True)
         stats.prefill_time = time.perf_counter() - t_start
@@ -133,19 +180,35 @@ class Engine:
             room = min(params.max_new_tokens - len(out), self.context_length - len(context))
             k = min(schedule.length, room - 1)  # a step commits accepted + 1 tokens
             t0 = time.perf_counter()
-            proposal = self.drafter.propose(context, k) if (self.drafter is not None and k > 0) else None
+            if self.drafter is None or k <= 0:
+                proposal = None
+            elif self.tree is not None:
+                proposal = self.drafter.propose_tree(context, self.tree_shape(room - 1))
+            else:
+                proposal = self.drafter.propose(context, k)
             if proposal is not None and len(proposal) == 0:
                 proposal = None
             t1 = time.perf_counter()
             draft = proposal.tokens.tolist() if proposal is not None else []
             base = self.runner.length
-            logits = self.runner.forward([context[-1]] + draft)
-            result = self.verify(proposal, logits, params, generator)
-            self.runner.crop(base + 1 + result.num_accepted)
+            if proposal is not None and proposal.parents is not None:
+                layout = TreeLayout.for_proposal(proposal.parents, len(proposal))
+                if int(layout.depths.max()) > room - 1:
+                    raise InvalidParameter(f"the drafter proposed a tree deeper than the {room - 1} tokens asked for")
+                logits = self.runner.forward_tree([context[-1]] + draft, layout.mask, layout.depths)
+                result = self.verify_tree(proposal, layout, logits, params, generator)
+                self.runner.compact(base, [0] + [i + 1 for i in result.accepted_nodes])
+                stats.observe_tree(result, layout)
+                for offered, rank in layout.walk_ranks(result.accepted_nodes):
+                    self.rank_acceptance.observe(offered, rank)
+            else:
+                logits = self.runner.forward([context[-1]] + draft)
+                result = self.verify(proposal, logits, params, generator)
+                self.runner.crop(base + 1 + result.num_accepted)
+                stats.observe(result)
             t2 = time.perf_counter()
             stats.draft_time += t1 - t0
             stats.verify_time += t2 - t1
-            stats.observe(result)
             schedule.observe(result)
             if self.drafter is not None:
                 self.drafter.observe(result)

@@ -73,15 +73,20 @@ class StepResult:
     num_accepted: how many draft tokens were accepted
     num_drafted:  how many were proposed (tree: nodes)
     accepted_nodes: proposal indices of the accepted nodes (chain: 0..num_accepted-1)
+    bonus:        whether the last token is a bonus (the walk ended at a leaf, no rejection) rather than
+                  recovered; None = decide from the counts (a chain)
     """
 
     tokens: list[int]
     num_accepted: int
     num_drafted: int
     accepted_nodes: list[int] = field(default_factory=list)
+    bonus: bool | None = None
 
     @property
     def last_kind(self) -> TokenKind:
+        if self.bonus is not None:
+            return "bonus" if self.bonus else "recovered"
         return "bonus" if self.num_accepted == self.num_drafted else "recovered"
 
     def kinds(self) -> list[TokenKind]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verispec.drafters.base import DraftLengthSchedule, Drafter
+from verispec.drafters.base import DraftLengthSchedule, Drafter, TreeDrafter
 from verispec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from verispec.drafters.ngram import NGramDrafter
 from verispec.errors import InvalidParameter
@@ -18,7 +18,7 @@ def _ngram(target, ngram_max: int = 3, ngram_min: int = 1, **_):
     return NGramDrafter(max_n=ngram_max, min_n=ngram_min)
 
 
-def _draft(target, draft=None, **_):
+def _draft(target, draft=None, backend: str = "hf", **_):
     from verispec.models import LoadedModel, load_model
 
     if draft is None:
@@ -26,7 +26,12 @@ def _draft(target, draft=None, **_):
     if not isinstance(draft, LoadedModel):
         draft = load_model(draft, dtype=target.dtype, device=target.device)
     check_same_vocabulary(target.tokenizer, draft.tokenizer, target.name, draft.name)
-    return DraftModelDrafter(draft.model, target.vocab_size)
+    from verispec.fast import make_runner
+
+    # the draft's numerics only change proposals, never the output, so its fast runner skips exact mode
+    runner = make_runner(draft.model, backend,
+                         **({} if backend == "hf" else {"exact": False, "capacity": target.context_length + 256}))
+    return DraftModelDrafter(draft.model, target.vocab_size, runner=runner)
 
 
 # method name -> factory(target, **options) -> Drafter | None (None: plain autoregressive decoding)
@@ -39,4 +44,4 @@ def make_drafter(method: str, target, **options) -> Drafter | None:
     return METHODS[method](target, **options)
 
 
-__all__ = ["Drafter", "DraftLengthSchedule", "DraftModelDrafter", "NGramDrafter", "METHODS", "make_drafter"]
+__all__ = ["Drafter", "TreeDrafter", "DraftLengthSchedule", "DraftModelDrafter", "NGramDrafter", "METHODS", "make_drafter"]

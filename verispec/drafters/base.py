@@ -24,6 +24,17 @@ class Drafter(Protocol):
         """Learn from what the target accepted (adapt tables, lengths, ...)."""
 
 
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can also propose trees (optional; the engine asks only when a tree shape is set)."""
+
+    def propose_tree(self, context: list[int], shape) -> Proposal | None:
+        """Fill `shape` (tree.StaticTree or tree.DynamicTree, already cut to the room left) with tokens
+        to follow `context`: a Proposal with parents (topological order, -1 = the pending root) and the
+        distribution each node was drawn from (None / one-hot rows = point masses; see
+        tree_acceptance.py for what keeps the rule exact)."""
+
+
 class DraftLengthSchedule:
     """Fixed draft length, or the simple adaptive schedule: +2 after a full accept, -1 after a rejection
     (the heuristic transformers uses for assisted generation), kept within [1, maximum]."""
