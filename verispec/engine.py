@@ -99,6 +99,9 @@ class Engine:
                 raise InvalidParameter(f"the '{drafter.name}' drafter cannot make trees; drop the tree option")
             if not callable(getattr(runner, "forward_tree", None)) or not callable(getattr(runner, "compact", None)):
                 raise InvalidParameter("this target backend cannot verify trees; drop the tree option")
+            for part in (runner, drafter):
+                if callable(getattr(part, "check_tree_support", None)):
+                    part.check_tree_support()
         # hardware-aware budget (DynamicTree(budget=None)): cost curve measured once, acceptance by rank
         # learned across generations
         self.verify_cost = verify_cost

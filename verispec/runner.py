@@ -92,6 +92,11 @@ class HFRunner:
         self.last_hidden_states = out.hidden_states if output_hidden_states else None
         return out.logits[0]
 
+    def check_tree_support(self) -> None:
+        """Raise UnsupportedModel now (not mid-generation) when the model cannot take a tree mask."""
+        if self._mask_plan is None:
+            self._mask_plan = tree_mask_plan(self.model)
+
     def forward_tree(self, ids: torch.Tensor | list[int], ancestor_mask: torch.Tensor, depths: torch.Tensor,
                      tree_start: int | None = None) -> torch.Tensor:
         """Verify a tree in one forward: ids [n] appended after the cached positions -> logits [n, V].
@@ -103,8 +108,7 @@ class HFRunner:
         tree_start on are earlier nodes of the same tree; then ancestor_mask is [n, length - tree_start + n]
         over those slots and the new ones, depths covers them too, and positions are tree_start + depths.
         """
-        if self._mask_plan is None:
-            self._mask_plan = tree_mask_plan(self.model)
+        self.check_tree_support()
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         n = ids.shape[0]
         start = self.length if tree_start is None else tree_start

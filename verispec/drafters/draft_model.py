@@ -94,6 +94,11 @@ class DraftModelDrafter:
 
     # ---- trees
 
+    def check_tree_support(self) -> None:
+        check = getattr(self.runner, "check_tree_support", None)  # backends with native masks need no check
+        if callable(check):
+            check()
+
     def _children(self, logits: torch.Tensor, parent: int, parent_score: float, depth: int, m: int,
                   sampled: bool) -> list[Candidate]:
         logits = self._fit_vocab(logits)
