@@ -43,6 +43,10 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
     compare: bool = typer.Option(False, "--compare", help="Also run plain decoding on the same input and print the speedup."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not stream the text, print only the statistics."),
+    tree: Optional[str] = typer.Option(None, "--tree", help="Draft a tree instead of a chain: dynamic, static:<name> (chain4, small, medium, large, xl) or static:'[[0],[1],[0,0]]'."),
+    tree_budget: Optional[str] = typer.Option(None, "--tree-budget", help="Dynamic tree: nodes verified per step (default 16), or 'auto' to choose it from the measured verification cost."),
+    tree_topk: Optional[int] = typer.Option(None, "--tree-topk", help="Dynamic tree: children per expanded node and nodes expanded per depth (default 4)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Maximum tree depth (dynamic default 6; cuts a static tree)."),
 ):
     """Generate text with speculative decoding, streaming tokens as they are accepted."""
     from verispec.api import build_engine
@@ -58,9 +62,15 @@ def generate(
                             max_new_tokens=max_new_tokens, stop=tuple(stop))
     if draft_length < 1:
         fail(f"--draft-length must be >= 1, got {draft_length}")
+    if tree is None and (tree_budget is not None or tree_topk is not None or tree_depth is not None):
+        fail("--tree-budget, --tree-topk and --tree-depth need --tree")
+    from verispec.tree import parse_tree
+
+    parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)  # bad tree options fail before loading
+    tree_opts = {"tree": tree, "tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree else {}
     target = load_model(model, dtype=dtype, device=device)
     ids = target.encode(prompt=text, chat=chat)
-    engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max)
+    engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max, **tree_opts)
     for event in engine.stream(ids, params):
         if not quiet:
             out.print(event.text, end="", markup=False)
