@@ -1,0 +1,305 @@
+"""The fast path (verispec.fast): logits equal transformers' for every supported family, the static
+cache's crop / compact / tree-mask semantics, exact mode, backend selection, and the engine's greedy
+exactness on the fast backend (tiny random models here; the real embedded models in test_fast_real.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import loaded, tiny_gemma3, tiny_llama
+
+from verispec.api import build_engine
+from verispec.errors import InvalidParameter, UnsupportedModel
+from verispec.fast import FastRunner, make_runner, supports
+from verispec.runner import HFRunner
+from verispec.types import SamplingParams
+
+
+def tiny_qwen3(vocab: int = 32, seed: int = 0, dtype=torch.float32):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=0, pad_token_id=0)
+    model = Qwen3ForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers:  # non-trivial q/k norm weights, so a missing norm shows
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def tiny_qwen2(vocab: int = 32, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=0, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # biases start at zero; make them matter
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.uniform_(-0.5, 0.5)
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def tiny_mistral(vocab: int = 32, seed: int = 0, window: int = 6):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=512, sliding_window=window,
+                        tie_word_embeddings=False, eos_token_id=None, bos_token_id=0, pad_token_id=0)
+    model = MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def tiny_gemma3_capped(seed: int = 0):
+    """Final logit soft-capping on; attention soft-capping set too, which transformers ignores for Gemma 3."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=5,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=12,
+                           eos_token_id=None, bos_token_id=0, pad_token_id=0, attn_implementation="eager")
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(4.0)
+        for layer in model.model.layers:  # Gemma norms start at zero (weight 1 + 0); make them matter
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                         layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(-0.5, 0.5)
+    return model
+
+
+FAMILIES = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2": tiny_qwen2, "mistral_window": tiny_mistral,
+            "gemma3": tiny_gemma3, "gemma3_softcap": tiny_gemma3_capped}
+
+
+def _reference(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids[None]).logits[0].float()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("exact", [False, True])
+def test_logits_match_transformers(family, exact):
+    model = FAMILIES[family]()
+    assert supports(model)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 32, (40,))  # longer than every sliding window above
+    ref = _reference(model, ids)
+    runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4)
+    last = runner.forward(ids[:17], last_only=True)  # prefill
+    assert last.shape == (1, 32)
+    steps = [runner.forward(ids[17:18]), runner.forward(ids[18:27]), runner.forward(ids[27:])]  # 9 > bucket: chunked
+    got = torch.cat([last] + steps)
+    torch.testing.assert_close(got, ref[16:], atol=2e-5, rtol=1e-4)
+    assert runner.length == 40
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_logits_match_transformers_bfloat16(family):
+    model = FAMILIES[family]().to(torch.bfloat16)
+    ids = torch.randint(0, 32, (30,), generator=torch.Generator().manual_seed(2))
+    ref = _reference(model, ids)
+    runner = FastRunner(model, capacity=64, exact=False)
+    runner.forward(ids[:10], last_only=True)
+    got = torch.cat([runner.forward(ids[10:11]), runner.forward(ids[11:])])
+    # bfloat16 keeps ~3 significant digits; logits here are O(10)
+    torch.testing.assert_close(got, ref[10:], atol=0.15, rtol=0.02)
+    assert (got.argmax(-1) == ref[10:].argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral_window"])
+def test_crop_then_new_tokens_equal_a_fresh_run(family):
+    model = FAMILIES[family]()
+    ids = torch.randint(0, 32, (24,), generator=torch.Generator().manual_seed(3))
+    other = torch.randint(0, 32, (8,), generator=torch.Generator().manual_seed(4))
+    runner = FastRunner(model, capacity=64, exact=False)
+    runner.forward(ids)
+    runner.crop(14)
+    assert runner.length == 14
+    got = runner.forward(other)
+    ref = _reference(model, torch.cat([ids[:14], other]))[14:]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    runner.crop(100)  # cropping past the end keeps everything
+    assert runner.length == 22
+    runner.reset()
+    assert runner.length == 0
+    torch.testing.assert_close(runner.forward(ids[:5]), _reference(model, ids[:5]), atol=2e-5, rtol=1e-4)
+
+
+def _tree():
+    """root 0 with children 1, 2; node 1 has children 3, 4; node 3 has child 5; node 2 has child 6."""
+    parents = [-1, 0, 0, 1, 1, 3, 2]
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    depths = torch.zeros(n, dtype=torch.long)
+    for i, p in enumerate(parents):
+        anc[i, i] = True
+        j = p
+        while j >= 0:
+            anc[i, j] = True
+            depths[i] += 1
+            j = parents[j]
+    return parents, anc, depths
+
+
+def _path(parents, node):
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral_window"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_tree_logits_equal_each_path_alone_and_compact(family, exact):
+    model = FAMILIES[family]()
+    prefix = torch.randint(0, 32, (9,), generator=torch.Generator().manual_seed(5))
+    parents, anc, depths = _tree()
+    tokens = torch.tensor([7, 3, 11, 5, 30, 2, 19])
+    runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4)  # 7 nodes > bucket: chunked tree
+    runner.forward(prefix, last_only=True)
+    logits = runner.forward_tree(tokens, anc, depths)
+    assert logits.shape == (7, 32) and runner.length == 16
+    for leaf in (4, 5, 6):
+        path = _path(parents, leaf)
+        ref = _reference(model, torch.cat([prefix, tokens[path]]))[len(prefix):]
+        torch.testing.assert_close(logits[path], ref, atol=2e-5, rtol=1e-4)
+    # keep the path 0 -> 1 -> 3 -> 5, then continue: equal to having decoded that chain
+    runner.compact(9, [0, 1, 3, 5])
+    assert runner.length == 13
+    nxt = torch.tensor([4, 8])
+    got = runner.forward(nxt)
+    ref = _reference(model, torch.cat([prefix, tokens[[0, 1, 3, 5]], nxt]))[-2:]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_tree_start_grows_a_tree_over_several_calls():
+    """A drafter feeding a tree depth by depth (tree_start) gets the logits of the whole-tree call."""
+    model = tiny_llama()
+    prefix = torch.randint(0, 32, (6,), generator=torch.Generator().manual_seed(6))
+    parents, anc, depths = _tree()
+    tokens = torch.tensor([7, 3, 11, 5, 30, 2, 19])
+    whole = FastRunner(model, capacity=64, exact=False)
+    whole.forward(prefix, last_only=True)
+    ref = whole.forward_tree(tokens, anc, depths)
+    grown = FastRunner(model, capacity=64, exact=False)
+    grown.forward(prefix, last_only=True)
+    start = grown.length
+    part1 = grown.forward_tree(tokens[:3], anc[:3, :3], depths[:3])
+    part2 = grown.forward_tree(tokens[3:], anc[3:], depths, tree_start=start)
+    torch.testing.assert_close(torch.cat([part1, part2]), ref, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError):
+        grown.forward_tree(tokens[:2], anc[:2, :3], depths[:3])
+
+
+def test_hf_and_fast_runner_agree_on_trees():
+    model = tiny_gemma3()
+    prefix = torch.randint(0, 32, (12,), generator=torch.Generator().manual_seed(7))
+    parents, anc, depths = _tree()
+    tokens = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    out = []
+    for runner in (HFRunner(model), FastRunner(model, capacity=64)):
+        runner.forward(prefix, last_only=True)
+        out.append(runner.forward_tree(tokens, anc, depths).float())
+    torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=1e-4)
+
+
+def test_exact_mode_logits_do_not_depend_on_how_tokens_share_a_pass():
+    """The property exact mode exists for: a position's logits are bit-identical whether it is scored
+    alone or together with other tokens (here in bfloat16, where rounding differs most)."""
+    model = tiny_llama(layers=3, hidden=64).to(torch.bfloat16)
+    ids = torch.randint(0, 32, (20,), generator=torch.Generator().manual_seed(8))
+    one = FastRunner(model, capacity=64, exact=True, exact_bucket=8)
+    one.forward(ids[:10], last_only=True)
+    alone = torch.cat([one.forward(ids[i:i + 1]) for i in range(10, 20)])
+    many = FastRunner(model, capacity=64, exact=True, exact_bucket=8)
+    many.forward(ids[:10], last_only=True)
+    together = torch.cat([many.forward(ids[10:13]), many.forward(ids[13:20])])
+    assert torch.equal(alone, together)
+
+
+def test_capacity_is_enforced_and_prepare_follows_greedy():
+    from verispec.errors import InvalidPrompt
+
+    runner = FastRunner(tiny_llama(), capacity=16)
+    runner.forward(list(range(10)))
+    with pytest.raises(InvalidPrompt):
+        runner.forward(list(range(7)))
+    runner.prepare(SamplingParams(temperature=0.8))
+    assert runner.exact is False
+    runner.prepare(SamplingParams())
+    assert runner.exact is True
+    fixed = FastRunner(tiny_llama(), capacity=16, exact=False)
+    fixed.prepare(SamplingParams())
+    assert fixed.exact is False
+
+
+def test_backend_selection():
+    llama = loaded(tiny_llama())
+    assert isinstance(build_engine(llama, "ar").runner, FastRunner)
+    assert isinstance(build_engine(llama, "ar", backend="hf").runner, HFRunner)
+    assert isinstance(build_engine(llama, "ar", backend="fast").runner, FastRunner)
+    with pytest.raises(InvalidParameter):
+        build_engine(llama, "ar", backend="tpu")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert not supports(gpt2)
+    assert isinstance(make_runner(gpt2, "auto"), HFRunner)
+    with pytest.raises(UnsupportedModel):
+        make_runner(gpt2, "fast")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3"])
+def test_engine_greedy_speculation_equals_plain_decoding_on_fast_backend(family):
+    target = loaded(FAMILIES[family](), name=family)
+    draft = loaded(FAMILIES[family](seed=1), name=family + "-draft")
+    params = SamplingParams(max_new_tokens=40)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 9, 5, 9, 5, 9, 17], [30, 1, 22]]
+    for prompt in prompts:
+        plain_hf = build_engine(target, "ar", backend="hf").generate(prompt, params).token_ids
+        plain = build_engine(target, "ar", backend="fast").generate(prompt, params).token_ids
+        assert plain == plain_hf
+        for method, opts in (("ngram", {}), ("draft", {"draft": draft}), ("draft", {"draft": draft, "draft_length": 3})):
+            engine = build_engine(target, method, backend="fast", **opts)
+            assert isinstance(engine.runner, FastRunner)
+            assert engine.generate(prompt, params).token_ids == plain, (method, opts)
+        if method == "draft":
+            assert isinstance(engine.drafter.runner, FastRunner)  # the draft runs on the fast path too
+
+
+def test_engine_sampling_on_fast_backend_is_reproducible_and_uses_fast_mode():
+    target = loaded(tiny_llama())
+    params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=30)
+    engine = build_engine(target, "ngram", backend="fast")
+    a = engine.generate([1, 2, 3, 1, 2, 3], params).token_ids
+    assert engine.runner.exact is False  # exact mode is for greedy only, unless asked for
+    b = build_engine(target, "ngram", backend="fast").generate([1, 2, 3, 1, 2, 3], params).token_ids
+    assert a == b and len(a) == 30 and all(0 <= t < 32 for t in a)
+
+
+def test_compiled_step_matches_eager():
+    """torch.compile (inductor on CPU) for the verify/decode passes: same logits as eager, one graph
+    per bucket shared by all layers."""
+    model = tiny_llama()
+    ids = torch.randint(0, 32, (14,), generator=torch.Generator().manual_seed(9))
+    eager = FastRunner(model, capacity=32, exact=False)
+    comp = FastRunner(model, capacity=32, exact=False, compile=True, buckets=(4,))
+    for r in (eager, comp):
+        r.forward(ids[:8], last_only=True)
+    a = torch.cat([eager.forward(ids[8:11]), eager.forward(ids[11:14])])
+    b = torch.cat([comp.forward(ids[8:11]), comp.forward(ids[11:14])])
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,118 @@
+"""The pieces every fast family module shares: RMS norms, rotary embedding, and ONE decoder-layer step
+over a preallocated KV cache.
+
+The layer step is a pure function of tensors (weights come in as arguments, not module attributes), so
+that `torch.compile` makes one graph per token bucket and reuses it for every layer of the model:
+compile cost is one layer's, not the whole model's. Numerics follow transformers' own modules (norms in
+float32, rotary tables computed in float32 and cast to the model dtype) so logits agree within dtype
+tolerance; the static structure (heads, norm flavour, sandwich norms, q/k norms) is a frozen `Arch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Static shape and flavour of a decoder layer (the same for every layer of a model)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float                     # softmax scale (head_dim**-0.5, or Gemma's query_pre_attn_scalar**-0.5)
+    act: Callable                    # the MLP activation (transformers' ACT2FN entry for the config)
+    gemma_norm: bool = False         # Gemma RMSNorm: x * (1 + w), scaled in float32 before the cast
+    sandwich: bool = False           # Gemma: extra norms after attention and after the MLP
+    qk_norm: bool = False            # Qwen3 / Gemma 3: RMSNorm over head_dim on q and k before RoPE
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:  # transformers' Gemma3RMSNorm: (x * (1 + w)) in float32, then cast
+        return (h * (1.0 + w.float())).to(x.dtype)
+    return w * h.to(x.dtype)  # transformers' LlamaRMSNorm: cast first, then scale
+
+
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype):
+    """pos [T] -> cos, sin [T, 1, head_dim] in `dtype` (computed in float32 like transformers)."""
+    freqs = pos.float()[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * attention_scaling).to(dtype)
+    sin = (emb.sin() * attention_scaling).to(dtype)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, a: Arch) -> torch.Tensor:
+    """One decoder layer for T tokens.
+
+    x:       [T, hidden]              hidden states of the tokens in this pass
+    w:       dict of this layer's weights (see the family modules for the keys)
+    k_cache: [n_kv_heads, S, head_dim] this layer's preallocated keys (values alike); written in place
+    slots:   LongTensor [T]           the cache slot each token's key/value goes to
+    cos/sin: [T, 1, head_dim]         rotary tables for the tokens' position ids
+    mask:    BoolTensor [T, L]        True where token t may attend to cache slot s (L <= S)
+    """
+    T = x.shape[0]
+    nq, nkv, hd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.head_dim
+    h = rms_norm(x, w["ln_attn"], a.eps, a.gemma_norm)
+    qkv = F.linear(h, w["wqkv"], w.get("bqkv"))
+    q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+    q = q.reshape(T, a.n_heads, hd)
+    k = k.reshape(T, a.n_kv_heads, hd)
+    v = v.reshape(T, a.n_kv_heads, hd)
+    if a.qk_norm:
+        q = rms_norm(q, w["q_norm"], a.eps, a.gemma_norm)
+        k = rms_norm(k, w["k_norm"], a.eps, a.gemma_norm)
+    q = _rotate(q, cos, sin)
+    k = _rotate(k, cos, sin)
+    # the position is the pointer: keys land in their slots, nothing is concatenated or reallocated
+    k_cache.index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    L = mask.shape[-1]
+    keys, values = k_cache[:, :L], v_cache[:, :L]
+    qh = q.transpose(0, 1)  # [H, T, hd]
+    o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask[None, None],
+                                       scale=a.scale, enable_gqa=a.n_heads != a.n_kv_heads)[0]
+    o = F.linear(o.transpose(0, 1).reshape(T, nq), w["wo"], w.get("bo"))
+    if a.sandwich:
+        o = rms_norm(o, w["ln_post_attn"], a.eps, a.gemma_norm)
+    x = x + o
+    h = rms_norm(x, w["ln_mlp"], a.eps, a.gemma_norm)
+    gate, up = F.linear(h, w["wgu"]).chunk(2, dim=-1)
+    h = F.linear(a.act(gate) * up, w["wdown"])
+    if a.sandwich:
+        h = rms_norm(h, w["ln_post_mlp"], a.eps, a.gemma_norm)
+    return x + h
+
+
+def fused(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linears that read the same input: one GEMM instead of
+    several. A copy of those weights; the transformers model keeps its own."""
+    w = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
+    if all(m.bias is None for m in linears):
+        return w, None
+    b = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=w.dtype, device=w.device)
+                   for m in linears])
+    return w, b
+
+
+def rope_of(rotary: torch.nn.Module, prefix: str = "") -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling from a loaded transformers rotary module (so every rope type its
+    init functions know, llama3 / linear / yarn scaling included, comes for free)."""
+    inv = getattr(rotary, f"{prefix}inv_freq").detach().float().clone()
+    scaling = float(getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", 1.0)))
+    return inv, scaling

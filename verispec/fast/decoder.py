@@ -1,0 +1,82 @@
+"""The shared body of a fast family module: embed, run the layers over the static cache, norm, lm head.
+
+A family module (llama.py, gemma3.py) only says how to read the weights of a loaded transformers model
+and what differs per layer (sliding window, rotary table); this class runs them. Weights are shared
+with the transformers model (no copy), except q/k/v and gate/up, which are concatenated once so each
+becomes a single GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from verispec.fast.core import Arch, layer_step, rms_norm, rope_tables
+
+
+class FastDecoder:
+    """Weights + static structure of one model; `forward` is a pure function of the cache it is given."""
+
+    family = "base"
+
+    def __init__(self, arch: Arch, embed: torch.Tensor, layers: list[dict], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, windows: list[int | None], rope_keys: list[str],
+                 ropes: dict[str, tuple[torch.Tensor, float]], embed_scale: float | None = None,
+                 final_softcap: float | None = None, max_positions: int = 2048):
+        self.arch = arch
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.windows, self.rope_keys, self.ropes = windows, rope_keys, ropes
+        self.embed_scale, self.final_softcap = embed_scale, final_softcap
+        self.max_positions = max_positions
+        self.dtype, self.device = embed.dtype, embed.device
+        self._step = functools.partial(layer_step, a=arch)
+        self._compiled = None
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        a = self.arch
+        shape = (a.n_kv_heads, slots, a.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        return k, v
+
+    def compiled_step(self):
+        """The layer step under torch.compile (one graph per token bucket, shared by all layers)."""
+        if self._compiled is None:
+            import torch._dynamo
+
+            # one graph per (bucket, dtype); the default limit of 8 would fall back to eager silently
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(self._step, dynamic=False, fullgraph=True)
+        return self._compiled
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                slot_pos: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                rows: torch.Tensor | slice | None = None, compiled: bool = False) -> torch.Tensor:
+        """ids/pos/slots [T], mask [T, L] (causal or tree, before sliding windows), slot_pos [S] the
+        position id held by each cache slot (already updated for `slots`) -> logits [rows, V] float32."""
+        step = self.compiled_step() if compiled else self._step
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale).to(self.dtype)  # float32 scalar cast, as transformers does
+        tables = {key: rope_tables(pos, inv, scaling, self.dtype) for key, (inv, scaling) in self.ropes.items()}
+        masks: dict[int | None, torch.Tensor] = {None: mask}
+        L = mask.shape[-1]
+        for w in set(self.windows):
+            if w is not None:  # sliding window from position ids, so tree nodes and compacted paths work alike
+                masks[w] = mask & ((pos[:, None] - slot_pos[None, :L]) < w)
+        for i, lw in enumerate(self.layers):
+            cos, sin = tables[self.rope_keys[i]]
+            x = step(x, lw, k_cache[i], v_cache[i], slots, cos, sin, masks[self.windows[i]])
+        if rows is not None:
+            x = x[rows]
+        x = rms_norm(x, self.final_norm, self.arch.eps, self.arch.gemma_norm)
+        logits = F.linear(x, self.lm_head).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

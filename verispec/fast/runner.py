@@ -1,0 +1,185 @@
+"""FastRunner: the engine's runner interface over a fast family module and a preallocated KV cache.
+
+The cache is one [kv_heads, S, head_dim] tensor per layer, allocated once; the position is the pointer:
+`length` says how many slots are valid, rollback moves it back, a tree path is compacted by an index
+copy, and a tree is verified with its ancestor mask natively (each slot also records its position id,
+so sliding windows and tree depths work from position ids, not slot numbers).
+
+Shapes. Every pass runs T tokens from a small set of buckets (padding rows are computed and thrown
+away), and attends over the first L slots of the cache with a [T, L] boolean mask. Eager mode uses the
+exact token count and L rounded up to `kv_block`; compiled mode uses the buckets and L = S, so
+torch.compile makes one graph per bucket.
+
+Exact mode (default for greedy decoding, see `prepare`): every pass that returns logits runs exactly
+`exact_bucket` tokens and attends over all S slots, so the kernels and shapes, and hence the rounding,
+do not depend on how many tokens share the pass: greedy speculative output is bit-identical to plain
+decoding, in bfloat16 too. Its cost: plain decoding pays a forward over `exact_bucket` positions
+instead of one, plus attention over the full static length. Turn it off with FastRunner(exact=False)
+(API: build_engine(..., exact=False); CLI: --no-exact). Prefill (last_only=True) is the same call in
+every method, so it runs in large chunks either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.errors import InvalidPrompt, UnsupportedModel
+
+
+def build_fast_model(model):
+    """The fast family module for a loaded transformers model, or UnsupportedModel saying why not."""
+    from verispec.fast import gemma3, llama
+
+    for mod, cls in ((llama, "FastLlama"), (gemma3, "FastGemma3")):
+        if getattr(model.config, "model_type", None) in mod.MODEL_TYPES:
+            reason = mod.unsupported_reason(model)
+            if reason:
+                raise UnsupportedModel(f"fast backend: {reason}; use backend 'hf'")
+            return getattr(mod, cls)(model)
+    raise UnsupportedModel(f"fast backend: model type {getattr(model.config, 'model_type', None)!r} is not "
+                           "supported (Llama family, Qwen2/3, Mistral, Gemma 3); use backend 'hf'")
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class FastRunner:
+    def __init__(self, model, capacity: int | None = None, exact: bool | None = None, exact_bucket: int = 8,
+                 compile: bool = False, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                 prefill_chunk: int = 256, kv_block: int = 256):
+        """model: a loaded transformers causal LM of a supported family (its weights are shared).
+        capacity: the most positions a sequence may hold (default: min(max positions, 4096)).
+        exact: True / False, or None = on for greedy and off for sampling (set by `prepare`)."""
+        self.net = build_fast_model(model)
+        if exact_bucket < 1 or any(b < 1 for b in buckets):
+            raise ValueError("buckets must be positive")
+        self.capacity = int(capacity or min(self.net.max_positions, 4096))
+        self.buckets = tuple(sorted(set(buckets)))
+        self.exact_bucket, self.prefill_chunk, self.kv_block = exact_bucket, prefill_chunk, kv_block
+        self.compile = compile
+        self.exact_setting = exact
+        self.exact = True if exact is None else bool(exact)
+        headroom = max(max(self.buckets), exact_bucket, prefill_chunk)  # padding rows write past the end
+        self.slots_total = _round_up(self.capacity + headroom, kv_block)
+        self.device = self.net.device
+        self.k, self.v = self.net.new_cache(self.slots_total)
+        self.slot_pos = torch.zeros(self.slots_total, dtype=torch.long, device=self.device)
+        self.length = 0
+        self.last_hidden_states = None
+
+    # -- the runner interface -------------------------------------------------------------------
+    def prepare(self, params) -> None:
+        """Called by the engine before a generation: exact mode follows greedy unless fixed."""
+        if self.exact_setting is None:
+            self.exact = bool(getattr(params, "greedy", True))
+
+    def reset(self) -> None:
+        self.length = 0  # stale slots stay finite and are masked out
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.length = max(0, int(length))
+
+    def compact(self, start: int, keep: list[int] | torch.Tensor) -> None:
+        """Move the entries at slots start + keep[i] to slot start + i; length becomes start + len(keep)."""
+        idx = torch.as_tensor(keep, dtype=torch.long, device=self.device) + start
+        m = int(idx.numel())
+        for cache in (*self.k, *self.v):
+            cache[:, start:start + m] = cache.index_select(1, idx)  # index_select copies, so overlap is safe
+        self.slot_pos[start:start + m] = self.slot_pos.index_select(0, idx)
+        self.length = start + m
+
+    @torch.inference_mode()
+    def forward(self, ids, last_only: bool = False) -> torch.Tensor:
+        """ids [n] appended after the cached positions -> logits [n, V] (or [1, V] with last_only)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
+        return self._run(ids, None, None, last_only)
+
+    @torch.inference_mode()
+    def forward_tree(self, ids, ancestor_mask: torch.Tensor, depths: torch.Tensor,
+                     tree_start: int | None = None) -> torch.Tensor:
+        """n tree nodes at slots length..length+n-1; node i sees the cache and node j iff
+        ancestor_mask[i, j]; its position id is length + depths[i]. -> logits [n, V].
+
+        tree_start (as HFRunner: drafters that grow a tree over several calls): the slots from
+        tree_start on hold earlier nodes of the same tree; ancestor_mask is then [n, length - tree_start + n]
+        over those slots and the new ones, depths covers them too, and positions are tree_start + depths.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
+        n = int(ids.numel())
+        start = self.length if tree_start is None else int(tree_start)
+        cols = self.length - start + n
+        anc = torch.as_tensor(ancestor_mask, dtype=torch.bool).to(self.device)
+        depths = torch.as_tensor(depths, dtype=torch.long).to(self.device).reshape(-1)
+        if not 0 <= start <= self.length or anc.shape != (n, cols) or depths.numel() != cols:
+            raise ValueError(f"tree of {n} new nodes over {cols} tree slots needs ancestor_mask [{n}, {cols}] "
+                             f"and depths [{cols}], got {tuple(anc.shape)} and {tuple(depths.shape)}")
+        return self._run(ids, anc, start + depths[cols - n:], False, tree_start=start)
+
+    # -- one call, cut into passes ------------------------------------------------------------------
+    def _pass_size(self, remaining: int, last_only: bool) -> tuple[int, int]:
+        """(tokens taken, padded bucket size) for the next pass."""
+        if last_only:
+            take = min(remaining, self.prefill_chunk)
+            return take, take  # prefill runs eager at its exact size
+        if self.exact:
+            take = min(remaining, self.exact_bucket)
+            return take, self.exact_bucket
+        take = min(remaining, self.buckets[-1])
+        if not self.compile:
+            return take, take
+        return take, next(b for b in self.buckets if b >= take)
+
+    def _run(self, ids: torch.Tensor, anc: torch.Tensor | None, positions: torch.Tensor | None,
+             last_only: bool, tree_start: int = 0) -> torch.Tensor:
+        """ids [n]; chain (anc None: causal, positions length..) or tree (anc [n, C] over the slots from
+        tree_start, positions [n])."""
+        n = int(ids.numel())
+        base = self.length
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if base + n > self.capacity:
+            raise InvalidPrompt(f"the sequence would hold {base + n} positions but the fast cache holds "
+                                f"{self.capacity}; shorten the prompt or raise capacity")
+        dev = self.device
+        if positions is None:
+            positions = torch.arange(base, base + n, device=dev)
+        out = []
+        c0 = 0
+        while c0 < n:
+            take, T = self._pass_size(n - c0, last_only)
+            c1 = c0 + take
+            first = base + c0  # first slot of this pass
+            exact_shape = self.exact and not last_only
+            L = self.slots_total if (exact_shape or (self.compile and not last_only)) else \
+                min(self.slots_total, _round_up(first + T, self.kv_block))
+            slots = torch.arange(first, first + T, device=dev)
+            pos = torch.empty(T, dtype=torch.long, device=dev)
+            pos[:take] = positions[c0:c1]
+            pos[take:] = pos[take - 1]
+            tok = torch.zeros(T, dtype=torch.long, device=dev)
+            tok[:take] = ids[c0:c1]
+            self.slot_pos[first:first + T] = pos
+            cols = torch.arange(L, device=dev)
+            if anc is None:  # chain: causal over slots
+                mask = cols[None, :] <= slots[:, None]
+            else:
+                mask = (cols < tree_start)[None, :].expand(T, L).clone()
+                width = min(anc.shape[1], L - tree_start)
+                mask[:take, tree_start:tree_start + width] = anc[c0:c1, :width]
+                mask[take:] = cols[None, :] <= slots[take:, None]  # padding rows: harmless causal rows
+            if last_only:
+                rows = slice(take - 1, take) if c1 == n else slice(0, 0)
+            else:
+                rows = slice(0, T) if exact_shape else slice(0, take)
+            compiled = self.compile and not last_only
+            logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.k, self.v, rows=rows,
+                                      compiled=compiled)
+            if not last_only:
+                logits = logits[:take]
+            if logits.shape[0]:
+                out.append(logits)
+            c0 = c1
+        self.length = base + n
+        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
