@@ -217,7 +217,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
                 turns.append({"prompt_tokens": len(ids), "new_tokens": len(out), "time_s": elapsed,
                               "token_ids": out, "stats": stats})
             runs.append({"question_id": q.question_id, "category": q.category, "method": c.label,
-                         "kind": getattr(c, "kind", "verispec"), "order": qi,
+                         "kind": getattr(c, "kind", "verispec"), "question_index": qi,
                          "new_tokens": sum(t["new_tokens"] for t in turns),
                          "time_s": sum(t["time_s"] for t in turns), "turns": turns})
             bar.update(1)
@@ -251,16 +251,16 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
 
 def find_mismatches(runs: list[dict]) -> list[dict]:
     """Every (question, contender, turn) whose greedy output differs from plain decoding's."""
-    ref = {r["question_id"]: r for r in runs if r["method"] == REFERENCE}
+    ref = {r["question_index"]: r for r in runs if r["method"] == REFERENCE}
     found = []
     for r in runs:
-        base = ref.get(r["question_id"])
+        base = ref.get(r["question_index"])
         if r["method"] == REFERENCE or base is None:
             continue
         for ti, (t, bt) in enumerate(zip(r["turns"], base["turns"])):
             d = _first_diff(t["token_ids"], bt["token_ids"])
             if d is not None:
-                found.append({"question_id": r["question_id"], "category": r["category"], "method": r["method"],
+                found.append({"question_index": r["question_index"], "question_id": r["question_id"], "category": r["category"], "method": r["method"],
                               "kind": r["kind"], "turn": ti, "first_difference_at": d,
                               "plain_tokens": len(bt["token_ids"]), "method_tokens": len(t["token_ids"])})
                 break  # later turns continue a different conversation
@@ -320,7 +320,7 @@ def summarize(runs: list[dict], curve: CostCurve | None = None) -> dict:
     questions (tokens per second over the group, Spec-Bench's ratio of speeds)."""
     cats = list(dict.fromkeys(r["category"] for r in runs))
     labels = list(dict.fromkeys(r["method"] for r in runs))
-    bad = {(m["question_id"], m["method"]) for m in find_mismatches(runs)}
+    bad = {(m["question_index"], m["method"]) for m in find_mismatches(runs)}
     out = {}
     for label in labels:
         mine = [r for r in runs if r["method"] == label]
@@ -329,12 +329,12 @@ def summarize(runs: list[dict], curve: CostCurve | None = None) -> dict:
         for name, group in groups:
             if not group:
                 continue
-            qids = {r["question_id"] for r in group}
-            ref_group = [r for r in runs if r["method"] == REFERENCE and r["question_id"] in qids]
+            qids = {r["question_index"] for r in group}
+            ref_group = [r for r in runs if r["method"] == REFERENCE and r["question_index"] in qids]
             agg = _aggregate(group)
             ref = _aggregate(ref_group) if ref_group else {}
             agg["speedup"] = agg["tokens_per_second"] / ref["tokens_per_second"] if ref.get("tokens_per_second") else None
-            agg["matches_plain"] = sum((r["question_id"], label) not in bad for r in group)
+            agg["matches_plain"] = sum((r["question_index"], label) not in bad for r in group)
             _predict(agg, ref, curve)
             if name == "overall":
                 entry["overall"] = agg

@@ -55,7 +55,7 @@ def _from_record(rec: dict, index: int, default_category: str, where: str) -> Qu
         turns = [turns]
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
         raise InvalidParameter(f"{where}: 'turns' must be a non-empty list of non-empty strings")
-    qid = rec.get("question_id", rec.get("task_id", rec.get("id", index)))
+    qid = rec.get("question_id", rec.get("task_id", rec.get("id", f"line{index + 1}")))
     return Question(question_id=str(qid), category=str(rec.get("category", default_category)), turns=list(turns))
 
 
@@ -82,6 +82,11 @@ def load_prompts(name_or_path: str) -> list[Question]:
         questions.append(_from_record(rec, i, default_category, f"{path.name} line {i + 1}"))
     if not questions:
         raise InvalidParameter(f"{path} holds no questions")
+    seen: dict[str, int] = {}
+    for q in questions:  # ids label results; keep them unique
+        seen[q.question_id] = seen.get(q.question_id, 0) + 1
+        if seen[q.question_id] > 1:
+            q.question_id = f"{q.question_id}#{seen[q.question_id]}"
     return questions
 
 
