@@ -291,3 +291,18 @@ def test_cli_smoke_bench_roofline_report(saved_tiny, tmp_path):
         r = cli.invoke(app, args)
         assert r.exit_code == 2, (args, r.output)
         assert "error:" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.real_model
+def test_real_model_chat_bench(smollm2):
+    """SmolLM2 through its own chat template, a two-turn MT-Bench question: the n-gram method and
+    transformers' baselines run, and verispec's outputs equal plain decoding's."""
+    qs = prompts.sample(prompts.load_prompts("mt_bench"), 1, seed=0, only=["writing"])
+    res = harness.run_bench(smollm2, ["ar", "ngram"], qs, baselines=["hf"], max_new_tokens=8,
+                            warmup=0, progress=False)
+    assert res["config"]["prompt_mode"] == "chat"
+    assert [m for m in res["mismatches"] if m["kind"] == "verispec"] == []
+    ar = next(r for r in res["runs"] if r["method"] == "ar")
+    assert len(ar["turns"]) == 2 and all(t["new_tokens"] > 0 for t in ar["turns"])
+    assert "assistant" in smollm2.tokenizer.decode(smollm2.encode(chat=[{"role": "user", "content": "hi"}]))
+    assert set(res["summary"]) == {"ar", "ngram", "hf"}
