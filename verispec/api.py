@@ -17,7 +17,7 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
                  ngram_max: int = 3, ngram_min: int = 1, max_draft_length: int = 16, *, tree=None,
                  tree_budget: int | str | None = None, tree_topk: int | None = None, tree_depth: int | None = None,
                  verify_cost: dict[int, float] | None = None, backend: str = "auto", exact: bool | None = None,
-                 compile: bool = False) -> Engine:
+                 compile: bool = False, runner=None) -> Engine:
     """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS.
 
     Trees (methods ngram and draft): tree = "dynamic", "static:<name>" (names in tree.STATIC_TREES),
@@ -29,6 +29,8 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     Backend: "auto" (verispec.fast when the family has a fast module, else transformers), "hf", "fast".
     exact (fast path): True/False, None = on for greedy (bit-identical speculative and plain output);
     compile (fast path): torch.compile the decode/verify passes (slow first calls).
+    runner: reuse the runner of an earlier engine built with the same backend/exact/compile (a fast
+    runner holds a copy of the fused weights and a KV cache; servers keep a few and pass them in).
     """
     from verispec.models import load_model
 
@@ -38,7 +40,7 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min, backend=backend)
     return Engine.for_model(target, drafter, draft_length=draft_length, adaptive=adaptive,
                             max_draft_length=max_draft_length, method=method, tree=shape, verify_cost=verify_cost,
-                            backend=backend, runner_options={"exact": exact, "compile": compile})
+                            backend=backend, runner_options={"exact": exact, "compile": compile}, runner=runner)
 
 
 def _params(temperature=0.0, top_k=0, top_p=1.0, seed=None, max_new_tokens=128, stop=()) -> SamplingParams:

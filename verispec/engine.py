@@ -116,13 +116,14 @@ class Engine:
 
     @classmethod
     def for_model(cls, target, drafter: Drafter | None = None, backend: str = "auto",
-                  runner_options: dict | None = None, **kwargs) -> "Engine":
+                  runner_options: dict | None = None, runner=None, **kwargs) -> "Engine":
         """backend: "auto" (the fast path when the model family has one, else transformers), "hf" or
         "fast"; runner_options go to verispec.fast.FastRunner (exact, compile, ...)."""
         from verispec.fast import make_runner
 
         # slack past the context for tree nodes that share the last positions
-        runner = make_runner(target.model, backend, capacity=target.context_length + 256, **(runner_options or {}))
+        if runner is None:  # else: a runner reused from an earlier engine (it is reset per generation)
+            runner = make_runner(target.model, backend, capacity=target.context_length + 256, **(runner_options or {}))
         return cls(runner, target.eos_token_ids, target.decode, target.context_length,
                    drafter=drafter, device=target.device, **kwargs)
 
