@@ -1,0 +1,5 @@
+"""`python -m verispec` runs the CLI."""
+
+from verispec.cli import app
+
+app()
