@@ -37,6 +37,14 @@ class _SlowEngine:
     def last(self):
         return self.engine.last
 
+    @property
+    def runner(self):
+        return self.engine.runner
+
+    @property
+    def verify_cost(self):
+        return self.engine.verify_cost
+
     def stream(self, ids, params):
         inner = self.engine.stream(ids, params)
         try:
@@ -308,6 +316,15 @@ def test_unsupported_fields_and_routes(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"verispec": {"draft": "/tmp/model"}})
     assert e.value.param == "verispec.draft"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"verispec": {"compile": True}})
+    assert e.value.param == "verispec.compile" and "server setting" in e.value.message
+    # a value only the engine can judge: refused when the engine is built, still as a 400 (streaming too)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=CHAT, stream=stream,
+                                           extra_body={"verispec": {"ngram_min": 3, "ngram_max": 2}})
+        assert "min_n" in e.value.message and e.value.param == "verispec"
     _error(httpx.get(server.url + "/v1/nothing", headers=auth()), 404, "not_found")
     _error(httpx.get(server.url + "/v1/chat/completions", headers=auth()), 405)
 
@@ -426,3 +443,14 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "--draft" in r.output
     r = CliRunner().invoke(app, ["serve", "--help"])
     assert r.exit_code == 0 and "127.0.0.1" in r.output
+
+
+def test_runners_are_reused_across_requests(server, client):
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    built = metric(server, "verispec_runners_built_total")
+    assert built >= 1
+    for k in (2, 3, 6):
+        for method in ("ngram", "ar"):
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                           extra_body={"verispec": {"method": method, "draft_length": k}})
+    assert metric(server, "verispec_runners_built_total") == built

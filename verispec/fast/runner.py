@@ -1,22 +1,25 @@
 """FastRunner: the engine's runner interface over a fast family module and a preallocated KV cache.
 
-The cache is one [kv_heads, S, head_dim] tensor per layer, allocated once; the position is the pointer:
+The cache is one [kv_heads, S, head_dim] tensor per layer, preallocated; the position is the pointer:
 `length` says how many slots are valid, rollback moves it back, a tree path is compacted by an index
 copy, and a tree is verified with its ancestor mask natively (each slot also records its position id,
 so sliding windows and tree depths work from position ids, not slot numbers).
 
-Shapes. Every pass runs T tokens from a small set of buckets (padding rows are computed and thrown
-away), and attends over the first L slots of the cache with a [T, L] boolean mask. Eager mode uses the
-exact token count and L rounded up to `kv_block`; compiled mode uses the buckets and L = S, so
-torch.compile makes one graph per bucket.
+Shapes. Every pass runs T tokens (padding rows are computed and thrown away) and attends over the
+first L slots of the cache with a [T, L] boolean mask, L a multiple of `kv_block` (masked slots add
+exact zeros, so a position's attention result does not depend on how far L reaches). Eager mode uses
+the exact token count; compiled mode pads to a few buckets and attends over the whole allocation, so
+torch.compile makes one graph per bucket (the cache is then allocated in full up front; eager mode
+grows it by doubling, a copy, as the sequence grows).
 
 Exact mode (default for greedy decoding, see `prepare`): every pass that returns logits runs exactly
-`exact_bucket` tokens and attends over all S slots, so the kernels and shapes, and hence the rounding,
-do not depend on how many tokens share the pass: greedy speculative output is bit-identical to plain
-decoding, in bfloat16 too. Its cost: plain decoding pays a forward over `exact_bucket` positions
-instead of one, plus attention over the full static length. Turn it off with FastRunner(exact=False)
-(API: build_engine(..., exact=False); CLI: --no-exact). Prefill (last_only=True) is the same call in
-every method, so it runs in large chunks either way.
+`exact_bucket` tokens, so the GEMM kernels, which round differently for different row counts
+(measured here: a 1-row float32 GEMM differs in the last bits from the same row in a 4-row one), see
+the same shapes in plain decoding and in verification: greedy speculative output is bit-identical to
+plain decoding, in bfloat16 too. Its cost: plain decoding pays a forward over `exact_bucket` positions
+instead of one (see benchmarks/fast_decode.py for the figure on this machine). Turn it off with
+FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). Prefill
+(last_only=True) is the same call in every method, so it runs in large chunks either way.
 """
 
 from __future__ import annotations
@@ -54,19 +57,37 @@ class FastRunner:
         self.net = build_fast_model(model)
         if exact_bucket < 1 or any(b < 1 for b in buckets):
             raise ValueError("buckets must be positive")
+        if kv_block % 16:  # whole SIMD vectors, so reductions over L keep their association as L grows
+            raise ValueError("kv_block must be a multiple of 16")
         self.capacity = int(capacity or min(self.net.max_positions, 4096))
         self.buckets = tuple(sorted(set(buckets)))
         self.exact_bucket, self.prefill_chunk, self.kv_block = exact_bucket, prefill_chunk, kv_block
         self.compile = compile
         self.exact_setting = exact
         self.exact = True if exact is None else bool(exact)
-        headroom = max(max(self.buckets), exact_bucket, prefill_chunk)  # padding rows write past the end
-        self.slots_total = _round_up(self.capacity + headroom, kv_block)
+        self.headroom = max(max(self.buckets), exact_bucket, prefill_chunk)  # padding rows write past the end
+        self.slots_total = _round_up(self.capacity + self.headroom, kv_block)
         self.device = self.net.device
-        self.k, self.v = self.net.new_cache(self.slots_total)
-        self.slot_pos = torch.zeros(self.slots_total, dtype=torch.long, device=self.device)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.slot_pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._grow(self.slots_total if compile else min(self.slots_total, 4 * kv_block))
         self.length = 0
         self.last_hidden_states = None
+
+    @property
+    def allocated(self) -> int:
+        return int(self.slot_pos.numel())
+
+    def _grow(self, slots: int) -> None:
+        """Reallocate the cache to `slots` slots, keeping what it holds (rare: sizes double)."""
+        old = self.allocated
+        k, v = self.net.new_cache(slots)
+        for new, cur in zip(k + v, self.k + self.v):
+            new[:, :old] = cur
+        pos = torch.zeros(slots, dtype=torch.long, device=self.device)
+        pos[:old] = self.slot_pos
+        self.k, self.v, self.slot_pos = k, v, pos
 
     # -- the runner interface -------------------------------------------------------------------
     def prepare(self, params) -> None:
@@ -143,6 +164,9 @@ class FastRunner:
             raise InvalidPrompt(f"the sequence would hold {base + n} positions but the fast cache holds "
                                 f"{self.capacity}; shorten the prompt or raise capacity")
         dev = self.device
+        need = _round_up(base + n + self.headroom, self.kv_block)
+        if need > self.allocated:
+            self._grow(min(self.slots_total, max(need, 2 * self.allocated)))
         if positions is None:
             positions = torch.arange(base, base + n, device=dev)
         out = []
@@ -152,8 +176,8 @@ class FastRunner:
             c1 = c0 + take
             first = base + c0  # first slot of this pass
             exact_shape = self.exact and not last_only
-            L = self.slots_total if (exact_shape or (self.compile and not last_only)) else \
-                min(self.slots_total, _round_up(first + T, self.kv_block))
+            compiled = self.compile and not last_only
+            L = self.allocated if compiled else min(self.allocated, _round_up(first + T, self.kv_block))
             slots = torch.arange(first, first + T, device=dev)
             pos = torch.empty(T, dtype=torch.long, device=dev)
             pos[:take] = positions[c0:c1]
@@ -173,7 +197,6 @@ class FastRunner:
                 rows = slice(take - 1, take) if c1 == n else slice(0, 0)
             else:
                 rows = slice(0, T) if exact_shape else slice(0, take)
-            compiled = self.compile and not last_only
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.k, self.v, rows=rows,
                                       compiled=compiled)
             if not last_only:

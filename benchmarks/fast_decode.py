@@ -1,0 +1,134 @@
+"""Side-by-side decoding speed of the fast path (verispec.fast) against transformers, in one run.
+
+For each dtype it measures, on the same prompt and the same number of new tokens (greedy):
+  * transformers `model.generate()`                       (the baseline of the issue)
+  * our engine, plain decoding, on the hf backend          (HFRunner: transformers forward + DynamicCache)
+  * our engine, plain decoding, on the fast backend: eager, exact mode on and off, and torch.compile'd
+and the cost of ONE forward over 1 and over 16 new positions after a 200-token context (the verification
+premise: 16 positions should cost little more than 1), plus the bandwidth floor (weight bytes / measured
+copy bandwidth). tok/s counts new tokens over the whole generation (prefill of a short prompt included).
+
+    .venv/bin/python benchmarks/fast_decode.py --model smollm2-135m --tokens 64
+    .venv/bin/python benchmarks/fast_decode.py --dtypes bfloat16 --no-compile --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+PROMPT = "The history of the printing press begins in the fifteenth century, when"
+
+
+def _timed(fn, repeat: int = 1) -> float:
+    best = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - t)
+    return statistics.median(best)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large tensor copy (read + write counted), median of a few."""
+    src = torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = _timed(lambda: dst.copy_(src), repeat=5)
+    return 2 * src.numel() / t
+
+
+def forward_cost(runner, context: list[int], n: int, repeat: int) -> float:
+    """Median seconds of one forward over n new positions after `context`, rolled back each time."""
+    runner.reset()
+    runner.forward(context, last_only=True)
+    base = runner.length
+    ids = context[:n]
+
+    def one():
+        runner.forward(ids)
+        runner.crop(base)
+
+    one()  # warm (and compile) the shape
+    return _timed(one, repeat)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
+    ap.add_argument("--repeat", type=int, default=5, help="repeats of each single-forward timing")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave the default)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (compiling takes minutes)")
+    ap.add_argument("--exact-bucket", type=int, default=8)
+    ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = ap.parse_args()
+
+    from verispec.api import build_engine
+    from verispec.models import load_model
+    from verispec.runner import HFRunner
+    from verispec.fast import FastRunner
+    from verispec.types import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bw = copy_bandwidth()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, copy bandwidth {bw / 1e9:.1f} GB/s")
+    rows = []
+    for dtype in args.dtypes:
+        target = load_model(args.model, dtype=dtype)
+        model = target.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        floor = bw / weight_bytes  # forwards per second if only the weights were read
+        ids = target.encode(prompt=PROMPT)
+        params = SamplingParams(max_new_tokens=args.tokens)
+        ctx = (ids * 200)[:200]
+        print(f"\n== {args.model} {dtype}: {weight_bytes / 1e6:.0f} MB of weights, floor {floor:.1f} tok/s")
+
+        def report(name, tok_s, f1=None, f16=None, note=""):
+            row = {"dtype": dtype, "config": name, "tok_s": tok_s, "fwd1_ms": f1, "fwd16_ms": f16, "note": note}
+            rows.append(row)
+            cost = f" | 1 pos {f1 * 1e3:6.1f} ms, 16 pos {f16 * 1e3:6.1f} ms ({f16 / f1:.2f}x)" if f1 else ""
+            print(f"{name:34s} {tok_s:6.1f} tok/s ({tok_s / floor:4.0%} of floor){cost} {note}", flush=True)
+
+        x = torch.tensor([ids])
+        gen_kwargs = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+        with torch.inference_mode():
+            model.generate(x, max_new_tokens=2, do_sample=False)  # warm
+            t = _timed(lambda: model.generate(x, **gen_kwargs))
+        report("transformers generate()", args.tokens / t)
+
+        configs = [("engine hf backend", "hf", {}),
+                   ("engine fast, eager, exact", "fast", {"exact": True}),
+                   ("engine fast, eager, not exact", "fast", {"exact": False})]
+        if not args.no_compile:
+            configs += [("engine fast, compiled, exact", "fast", {"exact": True, "compile": True}),
+                        ("engine fast, compiled, not exact", "fast", {"exact": False, "compile": True})]
+        for name, backend, opts in configs:
+            engine = build_engine(target, "ar", backend=backend, **opts)
+            if isinstance(engine.runner, FastRunner):
+                engine.runner.exact_bucket = args.exact_bucket
+            t0 = time.perf_counter()
+            engine.generate(ids, SamplingParams(max_new_tokens=4))  # warm: compiles the buckets it meets
+            warm = time.perf_counter() - t0
+            gen = engine.generate(ids, params)
+            tok_s = gen.stats.new_tokens / gen.stats.total_time
+            runner = engine.runner
+            if isinstance(runner, FastRunner):
+                runner.exact = bool(opts.get("exact"))
+            f1 = forward_cost(runner, ctx, 1, args.repeat)
+            f16 = forward_cost(runner, ctx, 16, args.repeat)
+            report(name, tok_s, f1, f16, note=f"(first call {warm:.1f} s)" if opts.get("compile") else "")
+        del target, model
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"copy_bandwidth": bw, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
