@@ -38,15 +38,16 @@ from verispec.server.errors import APIError, verispec_error
 from verispec.server.metrics import ServerMetrics
 from verispec.server.scheduler import Job, QueueFull, Scheduler
 from verispec.server.schemas import ChatCompletionRequest, CompletionRequest, RaceRequest, SpeculationOptions
-from verispec.server.work import run_generation, run_race
+from verispec.server.work import RunnerPool, run_generation, run_race
 from verispec.types import SamplingParams
 
 STATIC = Path(__file__).parent / "static"
 log = logging.getLogger("verispec.server")
 
-# build_engine keywords a request may not set: the target is the served model, and a draft model is
-# whatever the server was started with (a request naming a model path would make the server load it)
-_RESERVED = {"target", "draft"}
+# build_engine keywords a request may not set: the target is the served model; a draft model is whatever
+# the server was started with (a request naming a path would make the server load it); runners are
+# pooled by the server; compiling takes minutes; the verification cost curve is measured by the server
+_RESERVED = {"target", "draft", "runner", "compile", "verify_cost"}
 
 
 @dataclass
@@ -66,10 +67,11 @@ class ServerConfig:
     timeout: float = 300.0                 # seconds from arrival to the last token, queue wait included
     api_key: str | None = None
     workers: int = 1
+    keep_runners: int = 2                  # idle runners kept per runner configuration (see work.RunnerPool)
 
 
-def _engine_keywords() -> set[str]:
-    return {name for name, p in inspect.signature(build_engine).parameters.items()
+def _engine_keywords(factory) -> set[str]:
+    return {name for name, p in inspect.signature(factory).parameters.items()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - _RESERVED
 
 
@@ -170,6 +172,13 @@ class _ClientGone(Exception):
     pass
 
 
+def _signature_source(factory):
+    """Which callable's keywords a custom engine factory accepts: a factory taking **options is
+    taken to accept build_engine's."""
+    params = inspect.signature(factory).parameters.values()
+    return build_engine if any(p.kind == p.VAR_KEYWORD for p in params) else factory
+
+
 def create_app(target, config: ServerConfig | None = None, draft=None,
                engine_factory: Callable[..., Any] | None = None) -> FastAPI:
     """An app serving `target` (a verispec LoadedModel).
@@ -181,7 +190,10 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
     name = config.model_name or target.name
     max_prompt = min(config.max_prompt_tokens or target.context_length - 1, target.context_length - 1)
     factory = engine_factory or build_engine
+    allowed = _engine_keywords(build_engine if engine_factory is None else _signature_source(engine_factory))
     metrics = ServerMetrics()
+    pool = RunnerPool(factory, keep=config.keep_runners)
+    metrics.runners = lambda: pool.built
     scheduler: Scheduler | None = None
     created = int(time.time())
     methods = [m for m in METHODS if m != "draft" or draft is not None]
@@ -226,7 +238,9 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
         except VerispecError as exc:
             raise verispec_error(exc) from exc
 
-    def make_engine(opts: SpeculationOptions | None, param: str = "verispec"):
+    def engine_options(opts: SpeculationOptions | None, param: str = "verispec") -> dict:
+        """The server's defaults overridden by the request's extension object, checked by name here;
+        values are checked when the engine is built (in the worker, see build)."""
         options = {"method": config.method, "draft_length": config.draft_length, "adaptive": config.adaptive,
                    **config.engine_options}
         if opts is not None:
@@ -236,8 +250,10 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
                 raise APIError(400, f"a request cannot choose the draft model; this server's draft model is {have}",
                                param=f"{param}.draft", code="invalid_value")
             requested.pop("draft", None)
-            allowed = _engine_keywords()
             for key in requested:
+                if key in _RESERVED:
+                    raise APIError(400, f"'{key}' is a server setting and cannot be set per request",
+                                   param=f"{param}.{key}", code="invalid_value")
                 if key not in allowed:
                     raise APIError(400, f"unknown speculation option '{key}'; use one of: {', '.join(sorted(allowed))}",
                                    param=f"{param}.{key}", code="invalid_value")
@@ -250,13 +266,26 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
             raise APIError(400, "this server has no draft model, so method 'draft' is unavailable; start it with "
                                 f"--draft MODEL or use one of: {', '.join(methods)}", param=f"{param}.method",
                            code="invalid_value")
+        return options
+
+    def build(options: dict, param: str = "verispec"):
+        """(engine, pool key), in the worker thread; bad option values become a 400."""
         try:
-            return factory(target, draft=draft, **options)
+            return pool.build(target, draft, options)
         except VerispecError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
         except TypeError as exc:  # a JSON value of the wrong type reached an engine option
             raise APIError(400, f"invalid speculation options {options}: {exc}", param=param,
                            code="invalid_value") from exc
+
+    def generation_work(options: dict, ids: list[int], params: SamplingParams) -> Callable[[Job], None]:
+        def work(job: Job) -> None:
+            engine, key = build(options)
+            try:
+                run_generation(job, engine, ids, params, target.decode, metrics)
+            finally:
+                pool.release(engine, key)
+        return work
 
     async def encode(param: str, prompt: str | None = None, chat: list[dict] | None = None,
                      ids: list[int] | None = None) -> list[int]:
@@ -404,10 +433,10 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
         check_model(body.model)
         check_supported(body)
         params = sampling(body.temperature, body.top_p, body.top_k, body.seed, body.limit(), body.stop)
-        engine = make_engine(body.verispec)
+        options = engine_options(body.verispec)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await encode("messages", chat=messages)
-        job = submit(lambda j: run_generation(j, engine, ids, params, target.decode, metrics), body.verispec)
+        job = submit(generation_work(options, ids, params), body.verispec)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, ext, finish, gen, role=False):
@@ -436,7 +465,7 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
         check_model(body.model)
         check_supported(body)
         params = sampling(body.temperature, body.top_p, body.top_k, body.seed, body.limit(), body.stop)
-        engine = make_engine(body.verispec)
+        options = engine_options(body.verispec)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -447,7 +476,7 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
             ids = await encode("prompt", ids=[int(i) for i in prompt])
         else:
             ids = await encode("prompt", prompt=prompt)
-        job = submit(lambda j: run_generation(j, engine, ids, params, target.decode, metrics), body.verispec)
+        job = submit(generation_work(options, ids, params), body.verispec)
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, ext, finish, gen):
@@ -475,12 +504,23 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
                           body.max_tokens, ())
         lanes = body.lanes or [SpeculationOptions(method="ar"),
                                SpeculationOptions(method=config.method if config.method != "ar" else "ngram")]
-        engines = [make_engine(lane, f"lanes.{i}") for i, lane in enumerate(lanes)]
+        lane_options = [engine_options(lane, f"lanes.{i}") for i, lane in enumerate(lanes)]
         if body.messages is not None:
             ids = await encode("messages", chat=[{"role": m.role, "content": m.text()} for m in body.messages])
         else:
             ids = await encode("prompt", prompt=body.prompt)
-        job = submit(lambda j: run_race(j, engines, ids, params, target.decode, metrics), None)
+        def race_work(job: Job) -> None:
+            built = []
+            try:
+                for i, options in enumerate(lane_options):
+                    built.append(build(options, f"lanes.{i}"))
+                job.emit("lanes", [engine.method for engine, _ in built])
+                run_race(job, [engine for engine, _ in built], ids, params, target.decode, metrics)
+            finally:
+                for engine, key in built:
+                    pool.release(engine, key)
+
+        job = submit(race_work, None)
         try:
             first = await next_item(job, request)
         except _ClientGone:
@@ -489,15 +529,14 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
             raise first[1]
         if first[0] == "cancelled":
             raise cancelled_error(job, first[1])
-        names = [e.method for e in engines]
-
         async def events() -> AsyncIterator[str]:
             finished = False
             try:
-                yield sse({"lanes": names, "prompt_tokens": len(ids)})
                 kind, payload = first
                 while True:
-                    if kind == "step":
+                    if kind == "lanes":
+                        yield sse({"lanes": payload, "prompt_tokens": len(ids)})
+                    elif kind == "step":
                         lane, event, pieces, elapsed = payload
                         yield sse({"lane": lane, "elapsed": round(elapsed, 4), **step_ext(event, pieces),
                                    "text": event.text})

@@ -22,6 +22,8 @@ log = logging.getLogger("verispec.server")
 class APIError(Exception):
     """An error to answer with: HTTP status, message, OpenAI error type, offending param, code."""
 
+    expected = True  # raised on purpose for a bad request: no traceback in the server log
+
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
         super().__init__(message)

@@ -66,6 +66,7 @@ class ServerMetrics:
         self.queue_wait = _Histogram(LATENCY_BUCKETS)
         self.queued = 0
         self.running = 0
+        self.runners = lambda: 0   # set by the app: runners built so far (they are pooled and reused)
 
     # --- updates -------------------------------------------------------------------------------
     def request_done(self, endpoint: str, status: int, latency: float | None = None) -> None:
@@ -158,6 +159,8 @@ class ServerMetrics:
                     for i, (a, d) in enumerate(zip(self.accepted_by_position, self.drafted_by_position))])
             metric("verispec_queue_length", "gauge", "Requests waiting for the engine.", [((), self.queued)])
             metric("verispec_running", "gauge", "Generations running now.", [((), self.running)])
+            metric("verispec_runners_built_total", "counter",
+                   "Model runners (fused weights + KV cache) built; requests reuse idle ones.", [((), self.runners())])
             histogram("verispec_time_to_first_token_seconds", "Time from generation start to the first token.", self.ttft)
             histogram("verispec_request_latency_seconds", "Time from request arrival to the last byte (successful requests).",
                       self.latency)

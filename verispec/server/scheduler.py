@@ -129,7 +129,8 @@ class Scheduler:
                 else:
                     job.work(job)
             except Exception as exc:  # reported to the request; the worker keeps serving
-                log.exception("generation failed")
+                if not getattr(exc, "expected", False):  # a bad request is not worth a traceback in the log
+                    log.exception("generation failed")
                 job.emit("error", exc)
             finally:
                 with self._cv:

@@ -7,10 +7,68 @@ it was produced; the OpenAI text delta alone cannot say which characters came fr
 
 from __future__ import annotations
 
+import inspect
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from verispec.server.scheduler import Job
+
+# build_engine options that decide what a runner is; engines agreeing on them can share one
+RUNNER_OPTIONS = ("backend", "exact", "compile")
+
+
+class RunnerPool:
+    """Runners kept between requests, so a request does not rebuild one.
+
+    A runner (verispec.fast.FastRunner) holds a fused copy of the target's weights and a KV cache, so
+    building one per request would cost time and, with requests queued, memory per request. Engines
+    themselves are cheap and built per job around a runner taken from here; at most `keep` idle
+    runners are kept per runner configuration (a race needs one per lane at the same time). The
+    verification cost curve an engine measured (tree budget "auto") is kept with them.
+    """
+
+    def __init__(self, factory: Callable[..., Any], keep: int = 2):
+        self.factory, self.keep = factory, keep
+        self._idle: dict[tuple, list] = {}
+        self._verify_cost: dict[tuple, dict] = {}
+        self._lock = threading.Lock()
+        self.built = 0   # runners built (engines that did not get a pooled runner)
+        try:
+            sig = inspect.signature(factory).parameters
+            self._defaults = {k: p.default for k, p in sig.items() if p.default is not inspect.Parameter.empty}
+        except (TypeError, ValueError):
+            self._defaults = {}
+
+    def key(self, options: dict) -> tuple:
+        return tuple((k, repr(options.get(k, self._defaults.get(k)))) for k in RUNNER_OPTIONS)
+
+    def build(self, target, draft, options: dict):
+        """(engine, key): an engine for `options` around a pooled runner when one is idle."""
+        key = self.key(options)
+        with self._lock:
+            idle = self._idle.get(key)
+            runner = idle.pop() if idle else None
+            cost = self._verify_cost.get(key)
+        opts = dict(options)
+        if cost is not None and "verify_cost" not in opts:
+            opts["verify_cost"] = cost
+        engine = self.factory(target, draft=draft, runner=runner, **opts)
+        if runner is None:
+            with self._lock:
+                self.built += 1
+        return engine, key
+
+    def release(self, engine, key: tuple) -> None:
+        runner = getattr(engine, "runner", None)
+        cost = getattr(engine, "verify_cost", None)
+        with self._lock:
+            if cost:
+                self._verify_cost[key] = cost
+            if runner is not None:
+                idle = self._idle.setdefault(key, [])
+                if len(idle) < self.keep and all(r is not runner for r in idle):
+                    idle.append(runner)
 
 
 class PieceDecoder:
