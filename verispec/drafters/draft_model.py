@@ -77,6 +77,7 @@ class DraftModelDrafter:
 
     def propose(self, context: list[int], k: int) -> Proposal | None:
         logits = self.sync(context)
+        self._chain_base = len(self.cached)  # the committed context; drafts fed after it are provisional
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -188,7 +189,14 @@ class DraftModelDrafter:
     def observe(self, result: StepResult) -> None:
         t, self._tree = self._tree, None
         if t is None or not t["keep"]:
-            return  # chains: the next sync() crops the cache to the committed prefix
+            # chains: drop the rejected drafts' entries now, so the cache holds committed tokens only
+            base = getattr(self, "_chain_base", None)
+            if base is not None and len(self.cached) > base:
+                keep = base + result.num_accepted
+                self.runner.crop(min(keep, self.runner.length))
+                self.cached = self.cached[: self.runner.length]
+            self._chain_base = None
+            return
         # move the accepted path's entries (those the draft model computed) next to the committed prefix
         slots, tokens = [], []
         for i in result.accepted_nodes:
