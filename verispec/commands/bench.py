@@ -12,7 +12,7 @@ from rich.table import Table
 
 from verispec.cli import app, fail, friendly
 
-out = Console(highlight=False)
+out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False)
 
 
