@@ -23,14 +23,14 @@ class RunnerPool:
 
     A runner (verispec.fast.FastRunner) holds a fused copy of the target's weights and a KV cache, so
     building one per request would cost time and, with requests queued, memory per request. Engines
-    themselves are cheap and built per job around a runner taken from here; at most `keep` idle
-    runners are kept per runner configuration (a race needs one per lane at the same time). The
-    verification cost curve an engine measured (tree budget "auto") is kept with them.
+    themselves are cheap and built per job around a runner taken from here. At most `keep` idle
+    runners are kept in all (a race needs one per lane at the same time; the least recently used goes
+    first). The verification cost curve an engine measured (tree budget "auto") is kept as well.
     """
 
     def __init__(self, factory: Callable[..., Any], keep: int = 2):
         self.factory, self.keep = factory, keep
-        self._idle: dict[tuple, list] = {}
+        self._idle: list[tuple[tuple, Any]] = []   # (key, runner), least recently used first
         self._verify_cost: dict[tuple, dict] = {}
         self._lock = threading.Lock()
         self.built = 0   # runners built (engines that did not get a pooled runner)
@@ -46,9 +46,12 @@ class RunnerPool:
     def build(self, target, draft, options: dict):
         """(engine, key): an engine for `options` around a pooled runner when one is idle."""
         key = self.key(options)
+        runner = None
         with self._lock:
-            idle = self._idle.get(key)
-            runner = idle.pop() if idle else None
+            for i in range(len(self._idle) - 1, -1, -1):
+                if self._idle[i][0] == key:
+                    runner = self._idle.pop(i)[1]
+                    break
             cost = self._verify_cost.get(key)
         opts = dict(options)
         if cost is not None and "verify_cost" not in opts:
@@ -65,10 +68,9 @@ class RunnerPool:
         with self._lock:
             if cost:
                 self._verify_cost[key] = cost
-            if runner is not None:
-                idle = self._idle.setdefault(key, [])
-                if len(idle) < self.keep and all(r is not runner for r in idle):
-                    idle.append(runner)
+            if runner is not None and all(r is not runner for _, r in self._idle):
+                self._idle.append((key, runner))
+                del self._idle[: max(0, len(self._idle) - self.keep)]
 
 
 class PieceDecoder:
