@@ -47,6 +47,9 @@ def generate(
     tree_budget: Optional[str] = typer.Option(None, "--tree-budget", help="Dynamic tree: nodes verified per step (default 16), or 'auto' to choose it from the measured verification cost."),
     tree_topk: Optional[int] = typer.Option(None, "--tree-topk", help="Dynamic tree: children per expanded node and nodes expanded per depth (default 4)."),
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Maximum tree depth (dynamic default 6; cuts a static tree)."),
+    backend: str = typer.Option("auto", "--backend", help="auto (fast path when the model family has one), hf (transformers) or fast."),
+    exact: Optional[bool] = typer.Option(None, "--exact/--no-exact", help="Fast path: same kernels and shapes for plain and speculative passes (default: on when greedy)."),
+    compile_: bool = typer.Option(False, "--compile", help="Fast path: torch.compile the decode/verify passes (first calls are slow)."),
 ):
     """Generate text with speculative decoding, streaming tokens as they are accepted."""
     from verispec.api import build_engine
@@ -62,6 +65,9 @@ def generate(
                             max_new_tokens=max_new_tokens, stop=tuple(stop))
     if draft_length < 1:
         fail(f"--draft-length must be >= 1, got {draft_length}")
+    if backend not in ("auto", "hf", "fast"):
+        fail(f"--backend must be auto, hf or fast, got {backend!r}")
+    fast = {"backend": backend, "exact": exact, "compile": compile_}
     if tree is None and (tree_budget is not None or tree_topk is not None or tree_depth is not None):
         fail("--tree-budget, --tree-topk and --tree-depth need --tree")
     from verispec.tree import parse_tree
@@ -70,7 +76,7 @@ def generate(
     tree_opts = {"tree": tree, "tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree else {}
     target = load_model(model, dtype=dtype, device=device)
     ids = target.encode(prompt=text, chat=chat)
-    engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max, **tree_opts)
+    engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max, **fast, **tree_opts)
     for event in engine.stream(ids, params):
         if not quiet:
             out.print(event.text, end="", markup=False)
@@ -79,7 +85,7 @@ def generate(
         out.print()
     out.print(f"[dim]{method}: {result.stats.summary()} (finish: {result.finish_reason})[/]")
     if compare and method != "ar":
-        plain = build_engine(target, "ar").generate(ids, params)
+        plain = build_engine(target, "ar", **fast).generate(ids, params)
         speedup = plain.stats.total_time / result.stats.total_time if result.stats.total_time else 0.0
         same = "identical" if plain.token_ids == result.token_ids else "DIFFERENT"
         out.print(f"[dim]ar: {plain.stats.summary()}[/]")
