@@ -396,7 +396,7 @@ def _swallow(errors, fn):
 
 
 def test_queue_full_gives_429_then_recovers(server, client):
-    DELAY["s"] = 0.1
+    DELAY["s"] = 0.3  # the first request runs >= 2.4 s: time to queue the second behind it
     errors = []
     args = dict(model=MODEL, prompt="the cat", max_tokens=8, temperature=0)
     first = threading.Thread(target=lambda: _swallow(errors, lambda: client.completions.create(**args)))
