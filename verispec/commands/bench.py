@@ -13,7 +13,7 @@ from rich.table import Table
 from verispec.cli import app, fail, friendly
 
 out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _slug(text: str) -> str:
