@@ -17,6 +17,19 @@ from verispec.tree import StaticTree
 from verispec.types import Proposal, SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(request):
+    """Tiny models and tables: one intra-op thread (a 2-thread barrier costs far more than these ops,
+    and ruinously so on a busy machine); real models keep the session's setting."""
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class OracleTreeDrafter:
     """Knows the reference greedy continuation. Each step builds a random tree: along the true path each
     node offers 1-3 children with the true token at a random rank (missing with probability `miss`),

@@ -134,8 +134,6 @@ class Engine:
             return tree.truncated(max_depth) if tree.depth > max_depth else tree
         budget = tree.budget
         if budget is None:
-            if self.verify_cost is None:
-                self.verify_cost = measure_verify_cost(self.runner)
             budget = choose_budget(self.rank_acceptance.profile(), self.verify_cost, max_depth=tree.depth).budget
         return DynamicTree(budget=budget, topk=tree.topk, depth=min(tree.depth, max_depth))
 
@@ -171,14 +169,26 @@ class Engine:
         kinds: list[str] = []
         finish = ""
 
+        if isinstance(self.tree, DynamicTree) and self.tree.budget is None and self.verify_cost is None:
+            self.verify_cost = measure_verify_cost(self.runner)  # once per engine, before the prefill
         self.runner.reset()
         if hasattr(self.runner, "prepare"):  # fast path: exact mode follows greedy decoding
             self.runner.prepare(params)
+        # drafters that read the target's hidden features (EAGLE, Medusa) get them for every committed
+        # position whose KV entry the target cache holds: the prefill, then each step's accepted path
+        features = bool(getattr(self.drafter, "needs_target_features", False))
+        if features or hasattr(self.runner, "feature_layers"):
+            if features and not hasattr(self.runner, "feature_layers"):
+                raise InvalidParameter(f"the '{self.drafter.name}' drafter needs the target's hidden features, "
+                                       "which this backend does not expose")
+            self.runner.feature_layers = tuple(self.drafter.feature_layers) if features else None
         if len(context) > 1:
             self.runner.forward(context[:-1], last_only=True)
         stats.prefill_time = time.perf_counter() - t_start
         if self.drafter is not None:
             self.drafter.begin(context, params, generator)
+            if features and len(context) > 1:
+                self.drafter.observe_features(self.runner.last_features)
 
         while not finish:
             room = min(params.max_new_tokens - len(out), self.context_length - len(context))
@@ -214,6 +224,10 @@ class Engine:
             stats.draft_time += t1 - t0
             stats.verify_time += t2 - t1
             schedule.observe(result)
+            if features:  # rows of the pending token and the accepted nodes, in path order
+                rows = [0] + ([i + 1 for i in result.accepted_nodes] if proposal is not None and proposal.parents
+                              is not None else list(range(1, 1 + result.num_accepted)))
+                self.drafter.observe_features(self.runner.last_features[rows])
             if self.drafter is not None:
                 self.drafter.observe(result)
 

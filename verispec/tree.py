@@ -428,7 +428,7 @@ def choose_budget(rank_accept: Sequence[float], cost: Mapping[int, float],
 
 @torch.inference_mode()
 def measure_verify_cost(runner, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), context: int = 128,
-                        repeats: int = 3, vocab: int = 100) -> dict[int, float]:
+                        repeats: int = 3, vocab: int = 8) -> dict[int, float]:
     """Median seconds of one forward over n new positions after `context` cached tokens (a quick
     roofline probe on the runner itself; `verispec roofline` measures the same thing more carefully).
     Leaves the runner reset."""

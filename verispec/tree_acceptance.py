@@ -82,6 +82,7 @@ def tree_speculative_verify(tokens: torch.Tensor, parents: list[int] | None, dra
     kids = children_lists(_full_parents(parents, n))
     toks = tokens.tolist()
     gen_device = generator.device if generator is not None else "cpu"
+    u = torch.rand(n, generator=generator, device=gen_device).tolist()  # one uniform per node, drawn up front
     node, accepted = 0, []
     while True:
         p = target_probs[node].float()
@@ -89,11 +90,13 @@ def tree_speculative_verify(tokens: torch.Tensor, parents: list[int] | None, dra
         for c in kids[node]:
             x = toks[c - 1]
             if draft_probs is None:
-                q = torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.shape[-1]).float()
+                q = torch.zeros_like(p)
+                q[x] = 1.0
+                q_x = 1.0
             else:
                 q = draft_probs[c - 1].to(p.device).float()
-            u = float(torch.rand((), generator=generator, device=gen_device))
-            if u * float(q[x]) < float(p[x]):  # u < p/q without dividing
+                q_x = float(q[x])
+            if u[c - 1] * q_x < float(p[x]):  # u < p/q without dividing
                 nxt = c
                 break
             p = _residual(p, q)
