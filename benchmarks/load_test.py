@@ -53,7 +53,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-c", "from verispec.cli import app; app()", "serve", "--model", args.model, "--method", args.method,
-           "--port", str(args.port), "--log-level", "warning", "--max-queue", str(args.max_queue)]
+           "--port", str(args.port), "--log-level", "warning", "--max-queue", str(args.max_queue), "--timeout", str(args.timeout)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{args.port}"
     deadline = time.monotonic() + 300
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--method", default="ngram", help="server default method (when starting one)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--max-queue", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the server (serve --threads)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="the server's per-request timeout (serve --timeout)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=16)

@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8766)
     ap.add_argument("--out", default="results")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the server (serve --threads)")
     ap.add_argument("--chat", default="Write a Python function that returns the squares of a list of numbers.")
     ap.add_argument("--race", default="Repeat this list in reverse order: apple, banana, cherry, date, elderberry, fig, grape.")
     args = ap.parse_args()
@@ -40,8 +41,9 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = subprocess.Popen([sys.executable, "-c", "from verispec.cli import app; app()", "serve", "--model", args.model,
-                               "--method", "ngram", "--port", str(args.port), "--log-level", "warning"])
+    cmd = [sys.executable, "-c", "from verispec.cli import app; app()", "serve", "--model", args.model,
+           "--method", "ngram", "--port", str(args.port), "--log-level", "warning"]
+    server = subprocess.Popen(cmd + (["--threads", str(args.threads)] if args.threads else []))
     url = f"http://127.0.0.1:{args.port}"
     profile = tempfile.mkdtemp(prefix="verispec-chromium-")
     driver = None

@@ -441,6 +441,8 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "unknown method" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["serve", "--method", "draft"])
     assert r.exit_code == 2 and "--draft" in r.output
+    r = CliRunner().invoke(app, ["serve", "--threads", "0"])
+    assert r.exit_code == 2 and "--threads" in r.output
     r = CliRunner().invoke(app, ["serve", "--help"])
     assert r.exit_code == 0 and "127.0.0.1" in r.output
 

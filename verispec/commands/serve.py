@@ -32,6 +32,8 @@ def serve(
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the engine; more get 429."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds a request may take, queue wait included."),
     workers: int = typer.Option(1, "--workers", help="Generations run at once (engine threads sharing the model)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice; 1 helps "
+                                                                 "on a machine whose cores are busy with other work)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
     """Serve a model over an OpenAI-compatible HTTP API, with a live page at / showing the drafts."""
@@ -50,6 +52,8 @@ def serve(
                               ("--max-queue", max_queue, 0), ("--workers", workers, 1), ("--port", port, 0)):
         if value < low:
             fail(f"{label} must be >= {low}, got {value}")
+    if threads is not None and threads < 1:
+        fail(f"--threads must be >= 1, got {threads}")
     if default_max_tokens > max_tokens:
         fail(f"--default-max-tokens ({default_max_tokens}) must not exceed --max-tokens ({max_tokens})")
     if timeout <= 0:
@@ -57,6 +61,10 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] binding {host} without --api-key: anyone who can reach this address can use the model")
 
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     target = load_model(model, dtype=dtype, device=device)
     draft_model = load_model(draft, dtype=dtype, device=device) if draft is not None else None
     config = ServerConfig(method=method, draft_length=draft_length, adaptive=adaptive,
