@@ -319,6 +319,9 @@ def test_unsupported_fields_and_routes(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"verispec": {"compile": True}})
     assert e.value.param == "verispec.compile" and "server setting" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"verispec": {"head": "/etc"}})
+    assert e.value.param == "verispec.head"
     # a value only the engine can judge: refused when the engine is built, still as a 400 (streaming too)
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:

@@ -19,6 +19,7 @@ def serve(
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Default tokens drafted per step."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length by default."),
     ngram_max: int = typer.Option(3, "--ngram-max", help="Longest suffix the n-gram drafter matches."),
+    head: Optional[str] = typer.Option(None, "--head", help="Trained head folder for methods eagle/medusa (default: the shipped one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; the default is reachable from this machine only."),
     port: int = typer.Option(8000, "--port", "-p"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY",
@@ -68,7 +69,8 @@ def serve(
     target = load_model(model, dtype=dtype, device=device)
     draft_model = load_model(draft, dtype=dtype, device=device) if draft is not None else None
     config = ServerConfig(method=method, draft_length=draft_length, adaptive=adaptive,
-                          engine_options={"ngram_max": ngram_max}, default_max_tokens=default_max_tokens,
+                          engine_options={"ngram_max": ngram_max, **({"head": head} if head else {})},
+                          default_max_tokens=default_max_tokens,
                           max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
                           max_queue=max_queue, timeout=timeout, api_key=api_key, workers=workers)
     server_app = create_app(target, config, draft=draft_model)

@@ -44,10 +44,11 @@ from verispec.types import SamplingParams
 STATIC = Path(__file__).parent / "static"
 log = logging.getLogger("verispec.server")
 
-# build_engine keywords a request may not set: the target is the served model; a draft model is whatever
-# the server was started with (a request naming a path would make the server load it); runners are
-# pooled by the server; compiling takes minutes; the verification cost curve is measured by the server
-_RESERVED = {"target", "draft", "runner", "compile", "verify_cost"}
+# build_engine keywords a request may not set: the target is the served model; the draft model and a
+# drafter head are whatever the server was started with (a request naming a path would make the server
+# load files of the client's choosing); runners are pooled by the server; compiling takes minutes; the
+# verification cost curve is measured by the server
+_RESERVED = {"target", "draft", "head", "runner", "compile", "verify_cost"}
 
 
 @dataclass
