@@ -17,7 +17,7 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
                  ngram_max: int = 3, ngram_min: int = 1, max_draft_length: int = 16, *, tree=None,
                  tree_budget: int | str | None = None, tree_topk: int | None = None, tree_depth: int | None = None,
                  verify_cost: dict[int, float] | None = None, backend: str = "auto", exact: bool | None = None,
-                 compile: bool = False, runner=None) -> Engine:
+                 compile: bool = False, runner=None, head=None) -> Engine:
     """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS.
 
     Trees (methods ngram and draft): tree = "dynamic", "static:<name>" (names in tree.STATIC_TREES),
@@ -31,13 +31,15 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     compile (fast path): torch.compile the decode/verify passes (slow first calls).
     runner: reuse the runner of an earlier engine built with the same backend/exact/compile (a fast
     runner holds a copy of the fused weights and a KV cache; servers keep a few and pass them in).
+    head (methods eagle, medusa): a trained head folder (verispec train); None = the one shipped for the target.
     """
     from verispec.models import load_model
 
     if isinstance(target, str):
         target = load_model(target)
     shape = parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)
-    drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min, backend=backend)
+    drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min, backend=backend,
+                           **({"head": head} if head is not None else {}))
     return Engine.for_model(target, drafter, draft_length=draft_length, adaptive=adaptive,
                             max_draft_length=max_draft_length, method=method, tree=shape, verify_cost=verify_cost,
                             backend=backend, runner_options={"exact": exact, "compile": compile}, runner=runner)
@@ -77,7 +79,7 @@ def generate(target, prompt: str | None = None, **kwargs) -> Generation:
 
     if isinstance(target, str):
         target = load_model(target)
-    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min") + TREE_OPTIONS + BACKEND_OPTIONS}
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min", "head") + TREE_OPTIONS + BACKEND_OPTIONS}
     chat = kwargs.pop("chat", None)
     params = _params(**kwargs)
     engine = build_engine(target, **opts)

@@ -27,3 +27,7 @@ class VocabularyMismatch(VerispecError):
 
 class UnsupportedModel(VerispecError):
     """The model cannot do what was asked (for example take a custom tree attention mask)."""
+
+
+class HeadMismatch(VerispecError):
+    """A trained drafter head (EAGLE/Medusa) belongs to another target model, or its files are unusable."""

@@ -66,6 +66,11 @@ class HFRunner:
         self.cache = kv.new_cache()
         self.length = 0  # positions held in the cache
         self._mask_plan: dict[str, int | None] | None = None
+        # hidden-state indices to keep from every forward (transformers' numbering: i = output of decoder
+        # layer i - 1, num_hidden_layers = the final normed state), set for drafters that read the
+        # target's features (EAGLE, Medusa); last_features [n, len * hidden] then holds them
+        self.feature_layers: tuple[int, ...] | None = None
+        self.last_features = None
 
     def reset(self) -> None:
         self.cache = kv.new_cache()
@@ -86,10 +91,13 @@ class HFRunner:
         kwargs = {}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        want = output_hidden_states or bool(self.feature_layers)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, position_ids=position_ids,
-                         logits_to_keep=1 if last_only else 0, output_hidden_states=output_hidden_states, **kwargs)
+                         logits_to_keep=1 if last_only else 0, output_hidden_states=want, **kwargs)
         self.length += n
         self.last_hidden_states = out.hidden_states if output_hidden_states else None
+        if self.feature_layers:
+            self.last_features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
         return out.logits[0]
 
     def check_tree_support(self) -> None:

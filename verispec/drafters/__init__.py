@@ -34,8 +34,22 @@ def _draft(target, draft=None, backend: str = "hf", **_):
     return DraftModelDrafter(draft.model, target.vocab_size, runner=runner)
 
 
+def _eagle(target, head=None, **_):
+    from verispec.drafters.eagle import EagleDrafter
+
+    return EagleDrafter.for_target(target, head)  # head: a trained head folder; None = the shipped one
+
+
+def _medusa(target, head=None, **_):
+    from verispec.drafters.medusa import MedusaDrafter
+
+    return MedusaDrafter.for_target(target, head)
+
+
 # method name -> factory(target, **options) -> Drafter | None (None: plain autoregressive decoding)
 METHODS: dict[str, Callable] = {"ar": _ar, "ngram": _ngram, "draft": _draft}
+METHODS["eagle"] = _eagle
+METHODS["medusa"] = _medusa
 
 
 def make_drafter(method: str, target, **options) -> Drafter | None:

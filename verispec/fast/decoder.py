@@ -57,9 +57,13 @@ class FastDecoder:
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
                 slot_pos: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                rows: torch.Tensor | slice | None = None, compiled: bool = False) -> torch.Tensor:
+                rows: torch.Tensor | slice | None = None, compiled: bool = False,
+                capture: tuple[int, ...] | None = None, captured: list | None = None) -> torch.Tensor:
         """ids/pos/slots [T], mask [T, L] (causal or tree, before sliding windows), slot_pos [S] the
-        position id held by each cache slot (already updated for `slots`) -> logits [rows, V] float32."""
+        position id held by each cache slot (already updated for `slots`) -> logits [rows, V] float32.
+
+        capture: hidden-state indices (transformers' numbering: i = output of layer i - 1, n_layers = the
+        final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features)."""
         step = self.compiled_step() if compiled else self._step
         x = F.embedding(ids, self.embed)
         if self.embed_scale is not None:
@@ -73,6 +77,10 @@ class FastDecoder:
         for i, lw in enumerate(self.layers):
             cos, sin = tables[self.rope_keys[i]]
             x = step(x, lw, k_cache[i], v_cache[i], slots, cos, sin, masks[self.windows[i]])
+            if capture and i + 1 in capture and i + 1 < len(self.layers):
+                captured.append((i + 1, x))
+        if capture and len(self.layers) in capture:
+            captured.append((len(self.layers), rms_norm(x, self.final_norm, self.arch.eps, self.arch.gemma_norm)))
         if rows is not None:
             x = x[rows]
         x = rms_norm(x, self.final_norm, self.arch.eps, self.arch.gemma_norm)

@@ -74,6 +74,9 @@ class FastRunner:
         self._grow(self.slots_total if compile else min(self.slots_total, 4 * kv_block))
         self.length = 0
         self.last_hidden_states = None
+        # as HFRunner: hidden-state indices kept from every forward for drafters that read target features
+        self.feature_layers: tuple[int, ...] | None = None
+        self.last_features = None
 
     @property
     def allocated(self) -> int:
@@ -170,6 +173,7 @@ class FastRunner:
         if positions is None:
             positions = torch.arange(base, base + n, device=dev)
         out = []
+        feats: list[torch.Tensor] = []
         c0 = 0
         while c0 < n:
             take, T = self._pass_size(n - c0, last_only)
@@ -197,12 +201,18 @@ class FastRunner:
                 rows = slice(take - 1, take) if c1 == n else slice(0, 0)
             else:
                 rows = slice(0, T) if exact_shape else slice(0, take)
+            captured: list = []
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.k, self.v, rows=rows,
-                                      compiled=compiled)
+                                      compiled=compiled, capture=self.feature_layers, captured=captured)
+            if self.feature_layers:
+                got = dict(captured)
+                feats.append(torch.cat([got[i][:take] for i in self.feature_layers], dim=-1))
             if not last_only:
                 logits = logits[:take]
             if logits.shape[0]:
                 out.append(logits)
             c0 = c1
         self.length = base + n
+        if self.feature_layers:
+            self.last_features = feats[0] if len(feats) == 1 else torch.cat(feats, dim=0)
         return out[0] if len(out) == 1 else torch.cat(out, dim=0)

@@ -1,0 +1,180 @@
+"""EAGLE and Medusa drafters: exactness against plain greedy decoding (random heads on tiny models:
+exactness must not depend on head quality), the sampling path, and head checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import loaded, tiny_gemma3, tiny_llama
+from verispec.drafters.eagle import EagleDrafter, EagleHead
+from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
+from verispec.engine import Engine
+from verispec.types import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request):
+    """Tiny models: one intra-op thread (a 2-thread barrier costs more than these ops on a busy machine)."""
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_eagle(target, seed: int = 1, vocab: int | None = None) -> EagleHead:
+    """A randomly initialised EAGLE head with a draft vocabulary of the first `vocab` ids, shuffled."""
+    torch.manual_seed(seed)
+    V = target.vocab_size
+    vd = vocab or V
+    head = EagleHead(EagleHead.make_config(target, vd))
+    head.d2t.copy_(torch.randperm(V)[:vd])
+    with torch.no_grad():
+        head.lm_head.weight.mul_(20.0)  # confident random drafts: long wrong chains exercise rollback
+    head.attach_embedding(target.model.get_input_embeddings().weight)
+    return head.eval()
+
+
+def random_medusa(target, seed: int = 1, heads: int = 3, vocab: int | None = None) -> MedusaHeads:
+    """Random Medusa heads (blocks far from zero, so the heads disagree with the target)."""
+    torch.manual_seed(seed)
+    V = target.vocab_size
+    vd = vocab or V
+    m = MedusaHeads(MedusaHeads.make_config(target, vd, heads))
+    m.d2t.copy_(torch.randperm(V)[:vd])
+    m.init_lm_head(target.model.get_output_embeddings().weight)
+    with torch.no_grad():
+        for block in m.blocks:
+            block.weight.normal_(0, 0.5)
+    return m.eval()
+
+
+def make_drafter(kind: str, target, **kw):
+    if kind == "eagle":
+        kw.pop("heads", None)
+        return EagleDrafter(random_eagle(target, **kw), target.vocab_size)
+    return MedusaDrafter(random_medusa(target, **kw), target.vocab_size)
+
+
+PROMPTS = [[1, 5, 9, 2], [3], [7, 7, 7, 7, 7, 7, 1, 2, 3, 11, 40, 2]]
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return loaded(tiny_llama(vocab=48, seed=3))
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny):
+    return {backend: [Engine.for_model(tiny, None, backend=backend).generate(p, SamplingParams(max_new_tokens=N_NEW)).token_ids
+                      for p in PROMPTS] for backend in ("hf", "fast")}
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("tree", [None, "dynamic", "static:medium"])
+def test_greedy_exact_tiny(kind, tree, backend, tiny, plain_outputs):
+    # a reduced draft vocabulary (tokens outside it are never drafted) on one backend, the full one on the other
+    drafter = make_drafter(kind, tiny, vocab=24 if backend == "fast" else None)
+    engine = Engine.for_model(tiny, drafter, draft_length=4, tree=tree, backend=backend)
+    for prompt, want in zip(PROMPTS, plain_outputs[backend]):
+        got = engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW))
+        assert got.token_ids == want, (kind, tree, prompt)
+        assert got.stats.drafted > 0
+
+
+def test_greedy_exact_gemma3_eagle():
+    target = loaded(tiny_gemma3(vocab=40, seed=2))
+    for kind in ("eagle", "medusa"):
+        engine = Engine.for_model(target, make_drafter(kind, target), draft_length=3, tree="dynamic")
+        for prompt in PROMPTS[:2]:
+            want = Engine.for_model(target, None).generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+            assert engine.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
+
+
+class _Spy:
+    """Wraps a feature-reading drafter and records the features the engine hands it."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.needs_target_features, self.feature_layers = True, inner.feature_layers
+        self.got = []
+
+    def begin(self, *a):
+        self.got = []
+        self.inner.begin(*a)
+
+    def observe_features(self, f):
+        self.got.append(f.clone())
+        self.inner.observe_features(f)
+
+    def propose(self, *a):
+        return self.inner.propose(*a)
+
+    def propose_tree(self, *a):
+        return self.inner.propose_tree(*a)
+
+    def observe(self, r):
+        self.inner.observe(r)
+
+
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_engine_hands_over_the_committed_positions_features(tiny, backend, tree):
+    """After every step the drafter holds exactly the target's hidden states of the committed positions
+    (all of the context but the pending token), as a plain forward over them computes."""
+    spy = _Spy(make_drafter("eagle", tiny, vocab=24))
+    engine = Engine.for_model(tiny, spy, draft_length=3, tree=tree, backend=backend)
+    prompt = PROMPTS[2]
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=20))
+    got = torch.cat(spy.got)
+    seq = prompt + out.token_ids
+    assert got.shape[0] == len(seq) - 1  # every committed position but the last (pending) token
+    with torch.no_grad():
+        hs = tiny.model(input_ids=torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i][0] for i in spy.feature_layers], -1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_path_is_lossless():
+    """Sampled proposals with draft probabilities (EAGLE chain, Medusa static tree drawn without
+    replacement) keep the target's distribution: 3 tokens, chi-square against the enumerated target."""
+    from stats_util import chi_square_pvalue, marginals
+
+    from verispec.sampling import logits_to_probs
+
+    model = tiny_llama(vocab=8, seed=0, layers=1, hidden=16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # several likely tokens at each step
+    target = loaded(model)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=3)
+    prompt = torch.tensor([1, 2, 3])
+    with torch.inference_mode():
+        p1 = logits_to_probs(model(prompt[None]).logits[0, -1], params)
+        seq1 = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
+        p2 = logits_to_probs(model(seq1).logits[:, -1], params)
+        seq2 = torch.cat([seq1.repeat_interleave(8, 0), torch.arange(8).repeat(8)[:, None]], 1)
+        p3 = logits_to_probs(model(seq2).logits[:, -1], params).reshape(8, 8, 8)
+    exact = {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c]) for a in range(8) for b in range(8) for c in range(8)
+             if float(p1[a] * p2[a, b] * p3[a, b, c]) > 0}
+    cases = [("eagle", None, 2), ("medusa", "static:[[0],[1],[0,0],[1,0]]", 2)]
+    for kind, tree, k in cases:
+        drafter = make_drafter(kind, target, heads=2) if kind == "medusa" else make_drafter(kind, target)
+        if kind == "eagle":
+            with torch.no_grad():
+                drafter.head.lm_head.weight.mul_(0.05)  # a soft q: several tokens drafted
+        engine = Engine.for_model(target, drafter, draft_length=k, tree=tree, backend="hf")
+        samples, drafted, accepted = [], 0, 0
+        for i in range(2500):
+            g = engine.generate([1, 2, 3], SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=3, seed=i))
+            samples.append(tuple(g.token_ids))
+            drafted += g.stats.drafted
+            accepted += g.stats.accepted
+        assert drafted > 0 and 0 < accepted < drafted  # the rule really ran with both outcomes
+        p_joint = chi_square_pvalue(samples, exact)
+        p_marg = [chi_square_pvalue(*marginals(samples, exact, i)) for i in range(3)]
+        assert p_joint > 1e-3 and min(p_marg) > 1e-3, (kind, p_joint, p_marg)

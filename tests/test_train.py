@@ -1,0 +1,191 @@
+"""Training pipeline pieces on tiny models: features, a few steps with a falling loss, the training-time
+test matching inference, checkpoint round trip, refusal of a head for another target, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import loaded, tiny_llama
+from verispec.drafters.eagle import EagleDrafter, EagleHead, default_feature_layers, load_eagle_head
+from verispec.drafters.medusa import MedusaHeads, load_medusa_heads
+from verispec.engine import Engine
+from verispec.errors import HeadMismatch
+from verispec.heads import save_head
+from verispec.train.extract import FeatureSet, extract_features
+from verispec.train.loops import eagle_unroll, train_eagle, train_medusa
+from verispec.train.vocab import build_draft_vocab
+from verispec.types import SamplingParams
+
+V = 40
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread (a 2-thread barrier costs more than these ops on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return loaded(tiny_llama(vocab=V, seed=11, layers=4))
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny, tmp_path_factory):
+    """Self-distilled records (the tiny target's greedy answers to random prompts) and their features."""
+    g = torch.Generator().manual_seed(0)
+    plain = Engine.for_model(tiny, None, backend="hf")
+    records = []
+    for i in range(12):
+        prompt = torch.randint(1, V, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        ans = plain.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
+        records.append({"id": str(i), "source": "test", "prompt_ids": prompt, "answer_ids": ans})
+    L = tiny.model.config.num_hidden_layers
+    layers = sorted(set(default_feature_layers(L)) | {L})
+    work = tmp_path_factory.mktemp("feats")
+    paths = extract_features(tiny, records, work, layers, shard_size=5, progress=False)
+    return records, FeatureSet(paths), layers
+
+
+def _eagle(tiny, records, vocab=32, seed=0):
+    torch.manual_seed(seed)
+    d2t = build_draft_vocab(records, vocab, V)
+    head = EagleHead(EagleHead.make_config(tiny, d2t.numel()))
+    head.d2t.copy_(d2t)
+    head.attach_embedding(tiny.model.get_input_embeddings().weight)
+    return head
+
+
+def test_features_match_a_plain_forward(tiny, dataset):
+    records, data, layers = dataset
+    assert len(data) == len(records)
+    seq = records[3]["prompt_ids"] + records[3]["answer_ids"]
+    out = tiny.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+    o = data.offsets[3]
+    want = torch.cat([out.hidden_states[i][0] for i in layers], -1)
+    torch.testing.assert_close(data.feats[o:o + len(seq)].float(), want, atol=0.05, rtol=0.02)  # stored in bf16
+    assert data.topk_ids[o:o + len(seq), 0].tolist() == out.logits[0].argmax(-1).tolist()
+
+
+def test_eagle_loss_falls(tiny, dataset, tmp_path):
+    records, data, _ = dataset
+    head = _eagle(tiny, records)
+    hist = train_eagle(head, data, V, tmp_path / "w", steps=40, batch_size=4, seq_len=32, lr=3e-3, ttt_steps=3,
+                       log=lambda m: None, progress=False)
+    first, last = sum(h["loss"] for h in hist[:5]) / 5, sum(h["loss"] for h in hist[-5:]) / 5
+    assert last < 0.85 * first, (first, last)
+    assert len(hist[-1]["top1"]) == 3
+
+
+def test_medusa_loss_falls(tiny, dataset, tmp_path):
+    records, data, _ = dataset
+    d2t = build_draft_vocab(records, 32, V)
+    m = MedusaHeads(MedusaHeads.make_config(tiny, d2t.numel(), 2))
+    m.d2t.copy_(d2t)
+    m.init_lm_head(tiny.model.get_output_embeddings().weight)
+    hist = train_medusa(m, data, V, tmp_path / "m", steps=40, batch_size=4, seq_len=32, lr=1e-2, log=lambda m: None,
+                        progress=False)
+    first, last = sum(h["loss"] for h in hist[:5]) / 5, sum(h["loss"] for h in hist[-5:]) / 5
+    assert last < 0.85 * first, (first, last)
+
+
+def test_training_resumes_from_its_checkpoint(tiny, dataset, tmp_path):
+    records, data, _ = dataset
+    kw = dict(steps=12, batch_size=2, seq_len=16, save_every=5, progress=False)
+    full = train_eagle(_eagle(tiny, records, seed=1), data, V, tmp_path / "a", log=lambda m: None, **kw)
+
+    def crash(message):  # the first log line comes at step 10, after the checkpoint of step 5
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle(_eagle(tiny, records, seed=1), data, V, tmp_path / "b", log=crash, **kw)
+    lines = []
+    part = train_eagle(_eagle(tiny, records, seed=1), data, V, tmp_path / "b", log=lines.append, **kw)
+    assert lines[0] == "resumed at step 5"
+    assert [h["loss"] for h in part] == pytest.approx([h["loss"] for h in full], rel=1e-4)
+
+
+@torch.inference_mode()
+def test_training_time_test_matches_inference(tiny, dataset):
+    """The unrolled training forward computes what the drafter computes when it drafts a chain."""
+    records, data, _ = dataset
+    head = _eagle(tiny, records).eval()
+    seq = records[5]["prompt_ids"] + records[5]["answer_ids"]
+    out = tiny.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i] for i in head.feature_layers], -1)
+    outs = eagle_unroll(head, torch.tensor([seq]), feats, 3)
+    N = 12  # the drafter's context: seq[:N], features of seq[:N-1]
+    d = EagleDrafter(head, V)
+    d.begin(seq[:N], SamplingParams(), None)
+    d.observe_features(feats[0, : N - 1])
+    h1 = d.sync(seq[:N])
+    torch.testing.assert_close(head.logits(h1), outs[0][0, N - 2], atol=1e-4, rtol=1e-4)
+    d.scratch = d.n
+    h2 = d._expand([seq[N]], h1[None], 1, [[]])[0]
+    torch.testing.assert_close(head.logits(h2), outs[1][0, N - 2], atol=1e-4, rtol=1e-4)
+    h3 = d._expand([seq[N + 1]], h2[None], 2, [[d.n]])[0]
+    torch.testing.assert_close(head.logits(h3), outs[2][0, N - 2], atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_round_trip_and_refusal(tiny, dataset, tmp_path):
+    records, _, _ = dataset
+    head = _eagle(tiny, records, seed=3)
+    cfg = dict(head.config)
+    save_head(tmp_path / "eagle", cfg, head.state_dict(), dtype=torch.float32)
+    back = load_eagle_head(tiny, tmp_path / "eagle")
+    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["target"]["name"] == "tiny"
+    x = torch.randn(5, len(head.feature_layers) * 32)
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    with torch.no_grad():
+        g1, g2 = head.inputs(ids, head.project(x)), back.inputs(ids, back.project(x))
+        torch.testing.assert_close(g1, g2)
+        torch.testing.assert_close(head.logits(g1), back.logits(g2))
+    assert back.d2t.tolist() == head.d2t.tolist()
+    # bfloat16 storage (as shipped) loads too
+    save_head(tmp_path / "eagle16", cfg, head.state_dict())
+    load_eagle_head(tiny, tmp_path / "eagle16")
+
+    other = loaded(tiny_llama(vocab=V, seed=12, layers=4), name="other")  # same shape, other weights
+    with pytest.raises(HeadMismatch, match="trained for 'tiny'"):
+        load_eagle_head(other, tmp_path / "eagle")
+    wider = loaded(tiny_llama(vocab=V + 8, seed=11, layers=4), name="wider")
+    with pytest.raises(HeadMismatch, match="vocab_size"):
+        load_eagle_head(wider, tmp_path / "eagle")
+    with pytest.raises(HeadMismatch, match="not a 'medusa' head"):
+        load_medusa_heads(tiny, tmp_path / "eagle")
+    with pytest.raises(HeadMismatch, match="not a head folder"):
+        load_eagle_head(tiny, tmp_path / "nowhere")
+
+    m = MedusaHeads(MedusaHeads.make_config(tiny, 32, 2))
+    save_head(tmp_path / "medusa", dict(m.config), m.state_dict(), dtype=torch.float32)
+    mb = load_medusa_heads(tiny, tmp_path / "medusa")
+    h = torch.randn(3, 32)
+    torch.testing.assert_close(m(h), mb(h))
+    with pytest.raises(HeadMismatch):
+        load_medusa_heads(other, tmp_path / "medusa")
+
+
+def test_no_shipped_head_for_a_tiny_model(tiny):
+    from verispec.drafters import make_drafter
+
+    with pytest.raises(HeadMismatch, match="no eagle head is shipped"):
+        make_drafter("eagle", tiny)
+    with pytest.raises(HeadMismatch, match="no medusa head is shipped"):
+        make_drafter("medusa", tiny)
+
+
+def test_cli_rejects_bad_options():
+    from typer.testing import CliRunner
+
+    from verispec.cli import app
+
+    r = CliRunner().invoke(app, ["train", "eagle", "--steps", "0"])
+    assert r.exit_code == 2 and "steps must be >= 1" in r.output
+    r = CliRunner().invoke(app, ["train", "medusa", "--lr", "-1"])
+    assert r.exit_code == 2 and "lr must be > 0" in r.output

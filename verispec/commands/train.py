@@ -1,0 +1,63 @@
+"""`verispec train eagle|medusa --target M ...`: train a drafter head by self-distillation (resumable)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from verispec.cli import app, friendly
+
+train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa) for a target model.")
+app.add_typer(train_app, name="train")
+
+
+def _run(kind: str, **options) -> None:
+    from verispec.train.pipeline import TrainConfig, run
+
+    cfg = TrainConfig(kind=kind, **options)
+    config = run(cfg, log=lambda m: typer.echo(m, err=True))
+    t = config["training"]
+    held = t.get("heldout", {})
+    typer.echo(f"{kind} head: {t['steps']} steps, {t['train_seconds_total']:.0f} s training, "
+               f"{t['sequences']} sequences; held-out tau chain {held.get('chain', {}).get('tau')}, "
+               f"dynamic tree {held.get('dynamic_tree', {}).get('tau')}, top-1 {held.get('heldout_top1')}")
+
+
+def _command(kind: str):
+    @train_app.command(kind, help=f"Train the {kind} head for --target (stages resume from --work).")
+    @friendly
+    def cmd(
+        target: str = typer.Option("smollm2-135m", "--target", "-m", help="The target model (embedded name, folder, .gguf)."),
+        work: Optional[str] = typer.Option(None, "--work", help="Work folder for data and training state (default .verispec-train/<target>)."),
+        out: Optional[str] = typer.Option(None, "--out", help="Where to write the head (default <work>/<kind>-head)."),
+        prompts: int = typer.Option(64, "--prompts", help="Training prompts (ShareGPT + GSM8K train)."),
+        max_prompt_tokens: int = typer.Option(200, "--max-prompt-tokens", help="Skip longer prompts."),
+        max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Answer length for self-distillation."),
+        gen_batch: int = typer.Option(32, "--gen-batch", help="Prompts per batched generate call."),
+        steps: int = typer.Option(300, "--steps", help="Optimizer steps."),
+        batch_size: int = typer.Option(4, "--batch-size"),
+        seq_len: int = typer.Option(128, "--seq-len", help="Positions per training window."),
+        lr: float = typer.Option(1e-3, "--lr"),
+        ttt_steps: int = typer.Option(3, "--ttt-steps", help="EAGLE: training-time test unroll steps."),
+        draft_vocab: int = typer.Option(2048, "--draft-vocab", help="Reduced draft vocabulary size."),
+        medusa_heads: int = typer.Option(4, "--medusa-heads", help="Medusa: number of heads."),
+        seed: int = typer.Option(0, "--seed"),
+        device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
+        dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
+        max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this much wall time."),
+        eval_prompts: int = typer.Option(8, "--eval-prompts", help="Held-out prompts for the tau evaluation (0 = skip)."),
+        eval_tokens: int = typer.Option(64, "--eval-tokens"),
+        threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads."),
+        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
+    ):
+        _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
+             max_new_tokens=max_new_tokens, gen_batch=gen_batch, steps=steps, batch_size=batch_size, seq_len=seq_len,
+             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
+             dtype=dtype, eval_prompts=eval_prompts, eval_tokens=eval_tokens, threads=threads, progress=not no_progress, max_minutes=max_minutes)
+
+    return cmd
+
+
+eagle = _command("eagle")
+medusa = _command("medusa")

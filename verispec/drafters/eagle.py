@@ -1,0 +1,382 @@
+"""EAGLE-style drafter: one decoder layer that drafts from the target's own hidden features.
+
+The head (after EAGLE-3, Li et al. 2025): the target's hidden states from a low, a middle and a high
+layer are concatenated and projected (fc) to one feature g_t per position t; the decoder layer reads
+inp([norm(embed(x_{t+1})), norm(g_t)]) (the NEXT token's embedding, taken from the target's frozen
+embedding table) and its output h_t gives, through a norm and an LM head over a reduced draft
+vocabulary (the most frequent tokens of the training data, FR-Spec / EAGLE-3), the distribution of
+x_{t+2}. Drafting further, h_t itself stands in for the target feature of the drafted position.
+
+Its KV cache keeps committed positions only: the entry of position t needs the target's feature of t
+and the token x_{t+1}, so after each verification the engine hands over the features of the accepted
+positions (Engine: drafter.observe_features) and the next proposal first appends their entries (one
+forward), then drafts in scratch slots past them, which the next proposal overwrites. Trees: dynamic
+(EAGLE-2: expand the top-k nodes of each depth by cumulative draft probability, keep the `budget`
+best, point masses) or static (top-k children; sampled without replacement when sampling), drafted
+depth by depth, each depth in one forward under a tree mask.
+
+Sampling: a chain's tokens are drawn from the head's distribution q (the same temperature/top-k/top-p
+transform as the target, zero outside the draft vocabulary), and q goes with the proposal, so the
+speculative-sampling rule keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.errors import HeadMismatch
+from verispec.sampling import logits_to_probs, sample
+from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
+from verispec.types import Proposal, SamplingParams, StepResult
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x [..., heads, T, hd], pos [..., T] -> same shape."""
+    freqs = pos.float()[..., None] * inv_freq  # [..., T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def default_feature_layers(num_hidden_layers: int) -> list[int]:
+    """Hidden-state indices (transformers' numbering: i = output of decoder layer i - 1) of a low, a
+    middle and a high layer, the choice of EAGLE-3's reference code (layers 2, L/2, L-3)."""
+    L = num_hidden_layers
+    return sorted({min(3, L), max(1, L // 2 + 1), max(1, L - 2)})
+
+
+class EagleHead(nn.Module):
+    """The trainable head. `config` is the head's config.json (see heads/__init__.py)."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        H, Ht = int(config["hidden_size"]), int(config["target"]["hidden_size"])
+        self.n_heads, self.n_kv, self.head_dim = int(config["num_heads"]), int(config["num_kv_heads"]), int(config["head_dim"])
+        self.feature_layers = [int(i) for i in config["feature_layers"]]
+        inter, vd = int(config["intermediate_size"]), int(config["draft_vocab_size"])
+        self.fc = nn.Linear(len(self.feature_layers) * Ht, H, bias=False)
+        self.norm_e, self.norm_h = RMSNorm(Ht), RMSNorm(H)
+        self.inp = nn.Linear(Ht + H, H, bias=False)
+        self.ln1, self.ln2, self.norm = RMSNorm(H), RMSNorm(H), RMSNorm(H)
+        self.q = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
+        self.k = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.v = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.o = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
+        self.gate = nn.Linear(H, inter, bias=False)
+        self.up = nn.Linear(H, inter, bias=False)
+        self.down = nn.Linear(inter, H, bias=False)
+        self.lm_head = nn.Linear(H, vd, bias=False)
+        self.register_buffer("d2t", torch.arange(vd, dtype=torch.long))
+        theta = float(config.get("rope_theta", 10000.0))
+        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.embed: torch.Tensor | None = None  # the target's embedding table (frozen, not saved)
+
+    @staticmethod
+    def make_config(target, draft_vocab_size: int, feature_layers: list[int] | None = None,
+                    intermediate_size: int | None = None) -> dict:
+        from verispec.heads import target_identity
+
+        cfg = target.model.config
+        H = int(cfg.hidden_size)
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or H // heads)
+        rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        return {"kind": "eagle", "target": target_identity(target),
+                "feature_layers": feature_layers or default_feature_layers(int(cfg.num_hidden_layers)),
+                "hidden_size": H, "num_heads": heads, "num_kv_heads": int(cfg.num_key_value_heads), "head_dim": head_dim,
+                "intermediate_size": int(intermediate_size or cfg.intermediate_size), "draft_vocab_size": int(draft_vocab_size),
+                "rope_theta": float(rope or 10000.0)}
+
+    def attach_embedding(self, weight: torch.Tensor) -> None:
+        self.embed = weight.detach()
+
+    # the pieces shared by inference (drafter below) and training (train/loops.py)
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def inputs(self, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(ids, self.embed).to(g.dtype)
+        return self.inp(torch.cat([self.norm_e(e), self.norm_h(g)], dim=-1))
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        """x [..., T, H], pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd] (rotated)."""
+        h = self.ln1(x)
+        shape = x.shape[:-1]
+        q = self.q(h).view(*shape, self.n_heads, self.head_dim).transpose(-3, -2)
+        k = self.k(h).view(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
+        v = self.v(h).view(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
+        return _rotate(q, pos, self.inv_freq), _rotate(k, pos, self.inv_freq), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [..., T, H] (the layer input), attn [..., nh, T, hd] -> the layer output h [..., T, H]."""
+        x = x + self.o(attn.transpose(-3, -2).reshape(*x.shape[:-1], -1))
+        h = self.ln2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """-> logits over the draft vocabulary (index i is target token d2t[i])."""
+        return self.lm_head(self.norm(h)).float()
+
+
+def load_eagle_head(target, head: str | Path | None = None, device=None) -> EagleHead:
+    """The EAGLE head at `head` (default: the one shipped for the target), checked against the target."""
+    from verispec.heads import check_target, load_head_files, resolve_head
+
+    path = resolve_head(target, "eagle", head)
+    config, tensors = load_head_files(path, "eagle")
+    check_target(config, target, where=f"the eagle head at '{path}'")
+    module = EagleHead(config)
+    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+                                                 strict=False)
+    if missing or unexpected:
+        raise HeadMismatch(f"the eagle head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
+    module.attach_embedding(target.model.get_input_embeddings().weight)
+    return module.to(device or target.device).eval()
+
+
+class HeadDrafting:
+    """What the EAGLE and Medusa drafters share: the draft vocabulary map and choosing children."""
+
+    vocab: int
+    d2t: torch.Tensor
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    def full_logits(self, lg: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf elsewhere)."""
+        out = lg.new_full((*lg.shape[:-1], self.vocab), float("-inf"))
+        out[..., self.d2t] = lg
+        return out
+
+    def q_of(self, lg: torch.Tensor) -> torch.Tensor:
+        """The draft distribution over the target vocabulary, after the target's sampling transform."""
+        return logits_to_probs(self.full_logits(lg.float()), self.params)
+
+    def choose(self, lg: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One chain token: argmax when greedy (no q needed), else a draw from q (and q)."""
+        if self.params.greedy:
+            return int(self.d2t[int(lg.argmax())]), None
+        q = self.q_of(lg)
+        return sample(q, self.generator), q
+
+    def children(self, lg: torch.Tensor, parent: int, parent_score: float, depth: int, m: int,
+                 sampled: bool) -> list[Candidate]:
+        """Up to m children of a node whose draft logits are lg [Vd]: sampled without replacement from q
+        (row i = q with the earlier siblings removed; exact for static shapes), or the top-m tokens as
+        point masses ranked by draft probability (exact under any deterministic choice)."""
+        if sampled:
+            q = self.q_of(lg)
+            left, out = q.clone(), []
+            for _ in range(m):
+                total = left.sum()
+                if total <= 0:
+                    break
+                qi = left / total
+                x = sample(qi, self.generator)
+                out.append(Candidate(x, parent, parent_score * float(q[x]), qi, depth))
+                left[x] = 0
+            return out
+        probs = lg.float().softmax(-1)
+        vals, idx = probs.topk(min(m, probs.shape[-1]))
+        return [Candidate(int(self.d2t[i]), parent, parent_score * float(v), None, depth)
+                for v, i in zip(vals.tolist(), idx.tolist()) if v > 0]
+
+
+class EagleDrafter(HeadDrafting):
+    name = "eagle"
+    needs_target_features = True
+
+    def __init__(self, head: EagleHead, target_vocab_size: int):
+        self.head = head.eval()
+        self.vocab = int(target_vocab_size)
+        self.feature_layers = list(head.feature_layers)
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.d2t = head.d2t.to(self.device)
+        self.params, self.generator = SamplingParams(), None
+        self.K = torch.zeros(head.n_kv, 0, head.head_dim, dtype=self.dtype, device=self.device)
+        self.V = self.K.clone()
+        self.reset()
+
+    @classmethod
+    def for_target(cls, target, head: str | Path | None = None) -> "EagleDrafter":
+        return cls(load_eagle_head(target, head), target.vocab_size)
+
+    def reset(self) -> None:
+        self.n = 0                       # committed entries in the head's cache (positions 0..n-1)
+        self.features: list[torch.Tensor] = []  # target features not yet turned into entries
+        self.n_features = 0              # target features received (positions 0..n_features-1)
+        self.h_last: torch.Tensor | None = None  # head output at position n-1
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.reset()
+        self.params, self.generator = params, generator
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
+        self.features.append(features.to(self.device))
+        self.n_features += int(features.shape[0])
+
+    def observe(self, result: StepResult) -> None:
+        pass  # drafted entries live in scratch slots past the committed ones; the next sync overwrites them
+
+    # ---- the head's cache
+
+    def _ensure(self, slots: int) -> None:
+        if slots > self.K.shape[1]:
+            size = max(slots, 2 * self.K.shape[1], 256)
+            K = torch.zeros(self.head.n_kv, size, self.head.head_dim, dtype=self.dtype, device=self.device)
+            V = torch.zeros_like(K)
+            K[:, : self.K.shape[1]] = self.K
+            V[:, : self.V.shape[1]] = self.V
+            self.K, self.V = K, V
+
+    def _run(self, ids: list[int], g: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Entries for tokens `ids` with features g [m, H] at positions pos into `slots`; mask [m, L]
+        says which cache slots each attends to (its own included) -> head outputs h [m, H]."""
+        head = self.head
+        x = head.inputs(torch.tensor(ids, dtype=torch.long, device=self.device), g)
+        q, k, v = head.qkv(x, pos)
+        self.K[:, slots] = k
+        self.V[:, slots] = v
+        L = mask.shape[1]
+        attn = F.scaled_dot_product_attention(q[None], self.K[None, :, :L], self.V[None, :, :L], attn_mask=mask[None, None],
+                                              enable_gqa=head.n_heads != head.n_kv)[0]
+        return head.finish(x, attn)
+
+    @torch.inference_mode()
+    def sync(self, context: list[int]) -> torch.Tensor | None:
+        """Append the committed entries the new features allow -> the head output at the last one
+        (position len(context) - 2, whose logits give the first draft token), or None without features."""
+        if self.features:
+            feats = torch.cat(self.features, dim=0)
+            self.features = []
+            start, end = self.n, self.n + int(feats.shape[0])
+            if end > len(context) - 1:
+                raise ValueError(f"the drafter holds features for {end} positions but the context has {len(context)} tokens")
+            self._ensure(end + 64)
+            pos = torch.arange(start, end, device=self.device)
+            mask = torch.arange(end, device=self.device)[None, :] <= pos[:, None]
+            h = self._run(context[start + 1: end + 1], self.head.project(feats), pos, pos, mask)
+            self.n, self.h_last = end, h[-1]
+        return self.h_last if self.n == len(context) - 1 else None
+
+    def _expand(self, tokens: list[int], h_src: torch.Tensor, depth: int, anc_slots: list[list[int]]) -> torch.Tensor:
+        """Scratch entries for drafted nodes at `depth` (1 = the first draft token) -> their outputs [m, H].
+        anc_slots[r]: the scratch slots of node r's drafted ancestors."""
+        m = len(tokens)
+        first = self.scratch
+        self._ensure(first + m + 64)
+        slots = torch.arange(first, first + m, device=self.device)
+        mask = torch.zeros(m, first + m, dtype=torch.bool, device=self.device)
+        mask[:, : self.n] = True
+        for r in range(m):
+            mask[r, anc_slots[r]] = True
+            mask[r, first + r] = True
+        pos = torch.full((m,), self.n - 1 + depth, device=self.device)
+        self.scratch += m
+        return self._run(tokens, h_src, pos, slots, mask)
+
+    # ---- proposals
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int) -> Proposal | None:
+        h = self.sync(context)
+        if h is None or k < 1:
+            return None
+        self.scratch = self.n
+        tokens, probs, slots = [], [], []
+        for depth in range(1, k + 1):
+            x, q = self.choose(self.head.logits(h))
+            tokens.append(x)
+            probs.append(q)
+            if depth < k:
+                h = self._expand([x], h[None], depth, [list(slots)])[0]
+                slots.append(self.scratch - 1)
+        draft_probs = None if self.params.greedy else torch.stack(probs)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), draft_probs=draft_probs)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], shape) -> Proposal | None:
+        root = self.sync(context)
+        if root is None:
+            return None
+        self.scratch = self.n
+        cands: list[Candidate] = []
+        src: list[torch.Tensor] = []   # src[c]: the head output c's logits came from
+        slot: dict[int, int] = {}      # scratch slot of an expanded candidate
+        out: dict[int, torch.Tensor] = {}  # head output of an expanded candidate
+
+        def add(new: list[Candidate], h: torch.Tensor) -> list[int]:
+            idx = list(range(len(cands), len(cands) + len(new)))
+            cands.extend(new)
+            src.extend([h] * len(new))
+            return idx
+
+        def expand(nodes: list[int], depth: int) -> None:
+            anc = []
+            for c in nodes:
+                a, p = [], cands[c].parent
+                while p >= 0:
+                    a.append(slot[p])
+                    p = cands[p].parent
+                anc.append(a)
+            first = self.scratch
+            h = self._expand([cands[c].token for c in nodes], torch.stack([src[c] for c in nodes]), depth, anc)
+            for r, c in enumerate(nodes):
+                slot[c], out[c] = first + r, h[r]
+
+        if isinstance(shape, StaticTree):
+            need = shape.children_ranks()
+            sampled = not self.params.greedy
+            where: dict[tuple, int] = {(): -1}
+            level = [()]
+            for depth in range(1, shape.depth + 1):
+                new_paths = []
+                for path in level:
+                    if need.get(path, 0) == 0:
+                        continue
+                    parent = where[path]
+                    h = root if parent < 0 else out[parent]
+                    score = cands[parent].score if parent >= 0 else 1.0
+                    kids = self.children(self.head.logits(h), parent, score, depth, need[path], sampled)
+                    for r, c in enumerate(add(kids, h)):
+                        where[path + (r,)] = c
+                        new_paths.append(path + (r,))
+                grow = [where[p] for p in new_paths if need.get(p, 0) > 0]
+                if grow:
+                    expand(grow, depth)
+                level = new_paths
+            keep = sorted(where[p] for p in shape.paths if p in where)
+        elif isinstance(shape, DynamicTree):
+            frontier = add(self.children(self.head.logits(root), -1, 1.0, 1, shape.topk, False), root)
+            for depth in range(2, shape.depth + 1):
+                grow = sorted(frontier, key=lambda c: -cands[c].score)[: shape.topk]
+                if not grow:
+                    break
+                expand(grow, depth - 1)
+                frontier = []
+                for c in grow:
+                    frontier += add(self.children(self.head.logits(out[c]), c, cands[c].score, depth, shape.topk, False), out[c])
+            keep = select_best(cands, shape.budget or 16)
+        else:
+            raise TypeError(f"unknown tree shape {shape!r}")
+        return to_proposal(cands, keep, vocab=self.vocab) if keep else None

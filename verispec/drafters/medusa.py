@@ -1,0 +1,180 @@
+"""Medusa heads: K residual blocks on the target's last hidden state, head k predicting the token k
+steps past the next one (Cai et al. 2024), verified with a static tree.
+
+The target's final normed hidden state h_t at the last committed position t (its logits gave the
+pending token x_{t+1}) goes through head k's block, h + SiLU(W_k h + b_k), and an LM head over the
+reduced draft vocabulary (shared by the heads, initialised from the target's LM head rows; the head
+stores which target ids its rows are) to give the distribution of x_{t+1+k}. A proposal reads only the
+engine's features (Engine: drafter.observe_features); it needs no cache of its own.
+
+Trees: the node at path (r_1, ..., r_d) of a static tree (tree.StaticTree, Medusa's format) is the
+r_d-th best token of head d, for every parent alike (the heads do not see the drafted prefix); when
+sampling, each node's children are drawn without replacement from q_d. Dynamic trees rank the same
+candidates by the product of their heads' probabilities (point masses). A chain is head 1..k's
+argmax (greedy) or draws from q_1..q_k with q going with the proposal (speculative sampling).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.drafters.eagle import HeadDrafting
+from verispec.errors import HeadMismatch
+from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
+from verispec.types import Proposal, SamplingParams, StepResult
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        H = int(config["target"]["hidden_size"])
+        self.num_heads = int(config["num_heads"])
+        self.feature_layers = [int(i) for i in config["feature_layers"]]
+        self.blocks = nn.ModuleList(nn.Linear(H, H) for _ in range(self.num_heads))
+        self.lm_head = nn.Linear(H, int(config["draft_vocab_size"]), bias=False)
+        self.register_buffer("d2t", torch.arange(int(config["draft_vocab_size"]), dtype=torch.long))
+        for block in self.blocks:  # a zero block makes head k start as the target's own next-token head
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    @staticmethod
+    def make_config(target, draft_vocab_size: int, num_heads: int = 4) -> dict:
+        from verispec.heads import target_identity
+
+        L = int(target.model.config.num_hidden_layers)
+        return {"kind": "medusa", "target": target_identity(target), "feature_layers": [L],
+                "num_heads": int(num_heads), "draft_vocab_size": int(draft_vocab_size)}
+
+    def init_lm_head(self, target_lm_weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_weight[self.d2t].float())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] (the target's final normed hidden state) -> logits [..., K, Vd] (head k predicts
+        the token k + 1 positions after h's)."""
+        h = h.to(self.lm_head.weight.dtype)
+        outs = [h + F.silu(block(h)) for block in self.blocks]
+        return self.lm_head(torch.stack(outs, dim=-2)).float()
+
+
+def load_medusa_heads(target, head: str | Path | None = None, device=None) -> MedusaHeads:
+    from verispec.heads import check_target, load_head_files, resolve_head
+
+    path = resolve_head(target, "medusa", head)
+    config, tensors = load_head_files(path, "medusa")
+    check_target(config, target, where=f"the medusa head at '{path}'")
+    module = MedusaHeads(config)
+    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+                                                 strict=False)
+    if missing or unexpected:
+        raise HeadMismatch(f"the medusa head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
+    return module.to(device or target.device).eval()
+
+
+class MedusaDrafter(HeadDrafting):
+    name = "medusa"
+    needs_target_features = True
+
+    def __init__(self, heads: MedusaHeads, target_vocab_size: int):
+        self.heads = heads.eval()
+        self.vocab = int(target_vocab_size)
+        self.feature_layers = list(heads.feature_layers)
+        self.device = next(heads.parameters()).device
+        self.d2t = heads.d2t.to(self.device)
+        self.params, self.generator = SamplingParams(), None
+        self.last: torch.Tensor | None = None
+        self.n_features = 0
+
+    @classmethod
+    def for_target(cls, target, head: str | Path | None = None) -> "MedusaDrafter":
+        return cls(load_medusa_heads(target, head), target.vocab_size)
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.params, self.generator = params, generator
+        self.last, self.n_features = None, 0
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        if features.shape[0]:
+            self.last = features[-1].to(self.device)
+            self.n_features += int(features.shape[0])
+
+    def observe(self, result: StepResult) -> None:
+        pass
+
+    @torch.inference_mode()
+    def _logits(self, context: list[int]) -> torch.Tensor | None:
+        if self.last is None or self.n_features != len(context) - 1:
+            return None
+        return self.heads(self.last)  # [K, Vd]
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int) -> Proposal | None:
+        lg = self._logits(context)
+        if lg is None or k < 1:
+            return None
+        tokens, probs = [], []
+        for d in range(min(k, self.heads.num_heads)):
+            x, q = self.choose(lg[d])
+            tokens.append(x)
+            probs.append(q)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long),
+                        draft_probs=None if self.params.greedy else torch.stack(probs))
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], shape) -> Proposal | None:
+        lg = self._logits(context)
+        if lg is None:
+            return None
+        K = self.heads.num_heads
+        cands: list[Candidate] = []
+        if isinstance(shape, StaticTree):
+            if shape.depth > K:
+                shape = shape.truncated(K)
+            need = shape.children_ranks()
+            sampled = not self.params.greedy
+            where: dict[tuple, int] = {(): -1}
+            level = [()]
+            top: dict[int, list[Candidate]] = {}
+            for depth in range(1, shape.depth + 1):
+                new_paths = []
+                for path in level:
+                    m = need.get(path, 0)
+                    if m == 0:
+                        continue
+                    parent = where[path]
+                    score = cands[parent].score if parent >= 0 else 1.0
+                    if sampled:
+                        kids = self.children(lg[depth - 1], parent, score, depth, m, True)
+                    else:  # the same ranked tokens under every parent: compute head d's top list once
+                        if depth not in top:
+                            top[depth] = self.children(lg[depth - 1], -1, 1.0, depth, max(need[p] for p in level if p in need), False)
+                        kids = [Candidate(c.token, parent, score * c.score, None, depth) for c in top[depth][:m]]
+                    for r, kid in enumerate(kids):
+                        where[path + (r,)] = len(cands)
+                        cands.append(kid)
+                        new_paths.append(path + (r,))
+                level = new_paths
+            keep = sorted(where[p] for p in shape.paths if p in where)
+        elif isinstance(shape, DynamicTree):
+            depth_max = min(shape.depth, K)
+            ranked = [self.children(lg[d], -1, 1.0, d + 1, shape.topk, False) for d in range(depth_max)]
+            frontier = []
+            for c in ranked[0]:
+                frontier.append(len(cands))
+                cands.append(c)
+            for d in range(1, depth_max):
+                grow = sorted(frontier, key=lambda c: -cands[c].score)[: shape.topk]
+                frontier = []
+                for p in grow:
+                    for c in ranked[d]:
+                        frontier.append(len(cands))
+                        cands.append(Candidate(c.token, p, cands[p].score * c.score, None, d + 1))
+            keep = select_best(cands, shape.budget or 16)
+        else:
+            raise TypeError(f"unknown tree shape {shape!r}")
+        return to_proposal(cands, keep, vocab=self.vocab) if keep else None

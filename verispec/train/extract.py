@@ -1,0 +1,113 @@
+"""Prefill passes over prompt + answer: the target's hidden features and next-token distributions.
+
+For every training sequence, one forward of the target (batched, right-padded) keeps
+  feats     [T, len(layers) * hidden]  hidden states at the requested indices (transformers' numbering:
+                                       i = output of decoder layer i - 1; num_hidden_layers = final normed)
+  topk_ids  [T, k], topk_p [T, k]      the target's next-token distribution at each position, top k
+                                       (the tail is dropped: the loss renormalises over what is kept)
+Shards of `shard_size` sequences are saved as they finish (shard_XXXX.pt), so a rerun skips them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+@torch.inference_mode()
+def extract_features(target, records: list[dict], out_dir: Path, layers: list[int], topk: int = 8,
+                     batch_size: int = 8, shard_size: int = 32, progress: bool = True) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = target.model
+    shards = [records[i:i + shard_size] for i in range(0, len(records), shard_size)]
+    paths = []
+    it = range(len(shards))
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="features", unit="shard")
+    for s in it:
+        path = out_dir / f"shard_{s:04d}.pt"
+        paths.append(path)
+        if path.exists():
+            continue
+        seqs = [r["prompt_ids"] + r["answer_ids"] for r in shards[s]]
+        toks, feats, ids, ps = [], [], [], []
+        for b in range(0, len(seqs), batch_size):
+            chunk = seqs[b:b + batch_size]
+            width = max(len(x) for x in chunk)
+            inp = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for r, x in enumerate(chunk):
+                inp[r, : len(x)] = torch.tensor(x)
+                mask[r, : len(x)] = 1
+            out = model(input_ids=inp.to(target.device), attention_mask=mask.to(target.device), output_hidden_states=True)
+            hs = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+            probs = out.logits.float().softmax(-1)
+            p, i = probs.topk(topk, dim=-1)
+            for r, x in enumerate(chunk):
+                n = len(x)
+                toks.append(torch.tensor(x, dtype=torch.int32))
+                feats.append(hs[r, :n].to(torch.bfloat16).cpu())
+                ids.append(i[r, :n].to(torch.int32).cpu())
+                ps.append(p[r, :n].to(torch.float16).cpu())
+        tmp = path.with_suffix(".tmp")
+        torch.save({"layers": list(layers), "tokens": torch.cat(toks), "lengths": torch.tensor([len(x) for x in seqs]),
+                    "prompt_lengths": torch.tensor([len(r["prompt_ids"]) for r in shards[s]]),
+                    "feats": torch.cat(feats), "topk_ids": torch.cat(ids), "topk_p": torch.cat(ps)}, tmp)
+        tmp.replace(path)
+    return paths
+
+
+class FeatureSet:
+    """All shards in memory, with per-sequence offsets."""
+
+    def __init__(self, paths: list[Path]):
+        parts = [torch.load(p) for p in paths]
+        if not parts:
+            raise ValueError("no feature shards to train on")
+        self.layers = parts[0]["layers"]
+        self.tokens = torch.cat([p["tokens"] for p in parts]).long()
+        self.feats = torch.cat([p["feats"] for p in parts])
+        self.topk_ids = torch.cat([p["topk_ids"] for p in parts]).long()
+        self.topk_p = torch.cat([p["topk_p"] for p in parts]).float()
+        self.lengths = torch.cat([p["lengths"] for p in parts]).tolist()
+        self.prompt_lengths = torch.cat([p["prompt_lengths"] for p in parts]).tolist()
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets[-1]
+
+    def columns(self, layers: list[int], hidden: int) -> torch.Tensor:
+        """Indices of the feature columns holding `layers`, in that order."""
+        return torch.cat([torch.arange(self.layers.index(i) * hidden, (self.layers.index(i) + 1) * hidden) for i in layers])
+
+    def batch(self, idx: list[int], seq_len: int, rng: torch.Generator, context: int = 16):
+        """Windows of at most seq_len positions: a little prompt context, then the answer.
+        -> tokens [B, T], feats [B, T, F], topk_ids/p [B, T, k], label mask [B, T] (answer positions:
+        a label at position t is the target's distribution of token t + 1, kept when t + 1 is an answer token)."""
+        T = min(seq_len, max(self.lengths[i] for i in idx))
+        B, k = len(idx), self.topk_ids.shape[1]
+        tok = torch.zeros(B, T, dtype=torch.long)
+        fe = torch.zeros(B, T, self.feats.shape[1], dtype=self.feats.dtype)
+        ids = torch.zeros(B, T, k, dtype=torch.long)
+        ps = torch.zeros(B, T, k)
+        lm = torch.zeros(B, T, dtype=torch.bool)
+        for r, i in enumerate(idx):
+            n, pl, o = self.lengths[i], self.prompt_lengths[i], self.offsets[i]
+            lo = max(0, pl - context)
+            hi = max(lo, n - T)
+            start = lo + int(torch.randint(0, hi - lo + 1, (1,), generator=rng)) if hi > lo else lo
+            m = min(T, n - start)
+            sl = slice(o + start, o + start + m)
+            tok[r, :m], fe[r, :m], ids[r, :m], ps[r, :m] = self.tokens[sl], self.feats[sl], self.topk_ids[sl], self.topk_p[sl]
+            pos = torch.arange(start, start + m)
+            lm[r, :m] = (pos + 1 >= pl) & (pos + 1 < n)
+        return tok, fe, ids, ps, lm

@@ -1,0 +1,217 @@
+"""Training loops for the EAGLE head and the Medusa heads, on features from extract.py.
+
+Loss: cross-entropy of the head's distribution against the target's next-token distribution (its top-k,
+renormalised over the tokens of the draft vocabulary), i.e. KL to the target up to a constant. No
+feature regression: EAGLE-3 dropped it once the head drafts on its own outputs (training-time test).
+
+EAGLE-3's training-time test (Li et al. 2025, section 3.3): the head is unrolled `ttt_steps` times on
+its own outputs. Step 1 reads the target feature of every anchor position t and the token x_{t+1}, as
+the committed entries at inference do; step j reads x_{t+j} and the head's own step j-1 output, sits at
+position t + j - 1, and attends to the step-1 keys of positions <= t plus its own earlier steps of the
+same anchor (a causal block and diagonals), which is exactly what a drafted chain sees at inference.
+Step j's loss has weight 0.8^(j-1) and its label is the target's distribution at position t + j.
+
+Medusa: head k (0-based) reads the target's final normed state at t and learns the distribution at
+position t + k + 1; losses weighted 0.8^k.
+
+Both loops log loss and top-1 agreement (the head's argmax equals the target's), checkpoint every
+`save_every` steps with the optimizer and random state (resumable), and are seeded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.train.extract import FeatureSet
+
+
+def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor,
+            mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [..., Vd]; the target's top-k ids/probs [..., k] (target ids); mask [...] ->
+    (summed loss, summed top-1 agreement, count)."""
+    d = t2d[ids]  # [..., k] draft index or -1
+    p = probs * (d >= 0)
+    total = p.sum(-1)
+    valid = mask & (total > 0)
+    p = p / total.clamp_min(1e-9)[..., None]
+    logp = logits.log_softmax(-1).gather(-1, d.clamp_min(0))
+    loss = -(p * logp).sum(-1)
+    agree = d2t[logits.argmax(-1)] == ids[..., 0]
+    v = valid.float()
+    return (loss * v).sum(), (agree.float() * v).sum(), v.sum()
+
+
+def _manual_attention(q, keys, values, scores_mask, diag_k, diag_v):
+    """q [B, nh, m, hd]; keys/values [B, nh, S, hd] with scores_mask [m, S]; diag_k/v lists of
+    [B, nh, m, hd] (one key per query row: its own anchor's earlier unrolled steps)."""
+    scale = q.shape[-1] ** -0.5
+    s = (q @ keys.transpose(-1, -2)) * scale
+    s = s.masked_fill(~scores_mask, float("-inf"))
+    d = [((q * k).sum(-1, keepdim=True) * scale) for k in diag_k]
+    w = torch.cat([s] + d, dim=-1).softmax(-1)
+    S = keys.shape[2]
+    out = w[..., :S] @ values
+    for i, v in enumerate(diag_v):
+        out = out + w[..., S + i: S + i + 1] * v
+    return out
+
+
+def eagle_unroll(head, tok, feats, steps: int):
+    """The training-time-test forward. tok [B, T], feats [B, T, F] -> list of logits per step j
+    (step j: [B, T - j, Vd], anchors t = 0..T-1-j, label positions t + j)."""
+    B, T = tok.shape
+    rep = head.n_heads // head.n_kv
+    dev = tok.device
+    m1 = T - 1
+    x = head.inputs(tok[:, 1:], head.project(feats[:, :-1]))
+    pos = torch.arange(m1, device=dev).expand(B, m1)
+    q, k, v = head.qkv(x, pos)
+    k1, v1 = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    causal = torch.ones(m1, m1, dtype=torch.bool, device=dev).tril()
+    h = head.finish(x, _manual_attention(q, k1, v1, causal, [], []))
+    out = [head.logits(h)]
+    dk, dv = [], []
+    for j in range(2, steps + 1):
+        m = T - j
+        if m <= 0:
+            break
+        x = head.inputs(tok[:, j:], h[:, :m])
+        pos = (torch.arange(m, device=dev) + (j - 1)).expand(B, m)
+        q, k, v = head.qkv(x, pos)
+        dk = [t[:, :, :m] for t in dk] + [k.repeat_interleave(rep, 1)]
+        dv = [t[:, :, :m] for t in dv] + [v.repeat_interleave(rep, 1)]
+        h = head.finish(x, _manual_attention(q, k1, v1, causal[:m], dk, dv))
+        out.append(head.logits(h))
+    return out
+
+
+def _vocab_maps(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(d2t.numel())
+    return t2d
+
+
+class Trainer:
+    """Shared loop: batches, AdamW with warm-up + cosine decay, logging, resumable checkpoints."""
+
+    def __init__(self, module, data: FeatureSet, vocab: int, work: Path, steps: int, batch_size: int, seq_len: int,
+                 lr: float, seed: int, device, log=print, save_every: int = 50, progress: bool = True,
+                 max_seconds: float | None = None):
+        self.module, self.data, self.work = module.to(device), data, Path(work)
+        self.steps, self.batch_size, self.seq_len, self.lr = steps, batch_size, seq_len, lr
+        self.device, self.log, self.save_every, self.progress = torch.device(device), log, save_every, progress
+        self.seed = seed
+        self.max_seconds = max_seconds  # wall-time cap for this run (the cosine schedule still spans `steps`)
+        self.d2t = module.d2t.to(self.device)
+        self.t2d = _vocab_maps(module.d2t.cpu(), vocab).to(self.device)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.step = 0
+        self.rng = torch.Generator().manual_seed(seed)
+        self.history: list[dict] = []
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.ckpt = self.work / "trainer.pt"
+        if self.ckpt.exists():  # resume
+            st = torch.load(self.ckpt, weights_only=False)
+            module.load_state_dict(st["module"])
+            self.opt.load_state_dict(st["opt"])
+            self.step, self.history = st["step"], st["history"]
+            self.rng.set_state(st["rng"])
+            self.log(f"resumed at step {self.step}")
+
+    def save(self) -> None:
+        tmp = self.ckpt.with_suffix(".tmp")
+        torch.save({"module": self.module.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                    "history": self.history, "rng": self.rng.get_state()}, tmp)
+        tmp.replace(self.ckpt)
+
+    def lr_at(self, step: int) -> float:
+        warm = max(1, self.steps // 20)
+        if step < warm:
+            return self.lr * (step + 1) / warm
+        return self.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, self.steps - warm)))
+
+    def run(self, loss_fn) -> list[dict]:
+        """loss_fn(batch on device) -> (loss, agree_sum, count, per-step agreement list)."""
+        torch.manual_seed(self.seed + self.step)
+        it = range(self.step, self.steps)
+        if self.progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, initial=self.step, total=self.steps, desc="train", unit="step")
+        t0 = t_last = time.perf_counter()
+        for step in it:
+            idx = torch.randint(0, len(self.data), (self.batch_size,), generator=self.rng).tolist()
+            batch = [t.to(self.device) for t in self.data.batch(idx, self.seq_len, self.rng)]
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr_at(step)
+            self.module.train()
+            loss, agree = loss_fn(*batch)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+            self.opt.step()
+            self.step = step + 1
+            done = self.history[-1]["seconds"] if self.history else 0.0
+            rec = {"step": self.step, "loss": round(float(loss.detach()), 4), "top1": [round(a, 4) for a in agree],
+                   "seconds": round(done + time.perf_counter() - t_last, 1)}
+            t_last = time.perf_counter()
+            self.history.append(rec)
+            if self.progress:
+                it.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1'][0]:.3f}")
+            if self.step % 10 == 0 or self.step == self.steps:
+                self.log(json.dumps(rec))
+            out_of_time = self.max_seconds is not None and time.perf_counter() - t0 > self.max_seconds
+            if self.step % self.save_every == 0 or self.step == self.steps or out_of_time:
+                self.save()
+            if out_of_time:
+                self.log(f"time budget reached after step {self.step}")
+                break
+        self.module.eval()
+        return self.history
+
+
+def train_eagle(head, data: FeatureSet, vocab: int, work: Path, steps: int = 200, batch_size: int = 8,
+                seq_len: int = 192, lr: float = 1e-3, ttt_steps: int = 3, seed: int = 0, device="cpu", log=print,
+                save_every: int = 50, progress: bool = True, max_seconds: float | None = None):
+    cols = data.columns(head.feature_layers, head.embed.shape[1]).to(device)
+    head.embed = head.embed.to(device)
+    trainer = Trainer(head, data, vocab, work, steps, batch_size, seq_len, lr, seed, device, log, save_every, progress,
+                      max_seconds)
+
+    def loss_fn(tok, fe, ids, ps, lm):
+        outs = eagle_unroll(head, tok, fe.index_select(-1, cols).float(), ttt_steps)
+        total, agree = 0.0, []
+        for j, lg in enumerate(outs, start=1):
+            s, a, n = soft_ce(lg, ids[:, j:], ps[:, j:], trainer.t2d, trainer.d2t, lm[:, j:])
+            total = total + (0.8 ** (j - 1)) * s / n.clamp_min(1)
+            agree.append(float(a / n.clamp_min(1)))
+        return total, agree
+
+    return trainer.run(loss_fn)
+
+
+def train_medusa(heads, data: FeatureSet, vocab: int, work: Path, steps: int = 200, batch_size: int = 8,
+                 seq_len: int = 192, lr: float = 1e-3, seed: int = 0, device="cpu", log=print, save_every: int = 50,
+                 progress: bool = True, max_seconds: float | None = None):
+    hidden = heads.lm_head.weight.shape[1]
+    cols = data.columns(heads.feature_layers, hidden).to(device)
+    trainer = Trainer(heads, data, vocab, work, steps, batch_size, seq_len, lr, seed, device, log, save_every, progress,
+                      max_seconds)
+
+    def loss_fn(tok, fe, ids, ps, lm):
+        lg = heads(fe.index_select(-1, cols).float())  # [B, T, K, Vd]
+        total, agree = 0.0, []
+        for k in range(heads.num_heads):
+            s, a, n = soft_ce(lg[:, : lg.shape[1] - k - 1, k], ids[:, k + 1:], ps[:, k + 1:], trainer.t2d, trainer.d2t,
+                              lm[:, k + 1:])
+            total = total + (0.8 ** k) * s / n.clamp_min(1)
+            agree.append(float(a / n.clamp_min(1)))
+        return total, agree
+
+    return trainer.run(loss_fn)
