@@ -51,24 +51,25 @@ def hf_greedy(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:
 TINY_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [5, 9, 9, 2, 7, 5, 9], [3] * 12, list(range(20)), [4, 1]]
 
 
+@pytest.mark.parametrize("backend", ["hf", "fast"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_tiny_models_every_method_equals_plain_greedy(family):
+def test_tiny_models_every_method_equals_plain_greedy(family, backend):
     make = tiny_llama if family == "llama" else tiny_gemma3
     target = loaded(make(seed=0))
     random_draft = loaded(make(seed=11))
     params = SamplingParams(max_new_tokens=40)
     for prompt in TINY_PROMPTS:
-        ar = build_engine(target, "ar").generate(prompt, params).token_ids
+        ar = build_engine(target, "ar", backend=backend).generate(prompt, params).token_ids
         hf = hf_greedy(target.model, prompt, 40, set())
-        assert_same_or_tie(target.model, prompt, hf, ar, f"{family} ar vs hf")
+        assert_same_or_tie(target.model, prompt, hf, ar, f"{family} {backend} ar vs hf")
         for method, opts in [("ngram", {}), ("draft", {"draft": random_draft}), ("draft", {"draft": target})]:
             for k in (1, 4):
-                engine = build_engine(target, method, draft_length=k, **opts)
+                engine = build_engine(target, method, draft_length=k, backend=backend, **opts)
                 g = engine.generate(prompt, params)
-                assert_same_or_tie(target.model, prompt, ar, g.token_ids, f"{family} {method} k={k}")
+                assert_same_or_tie(target.model, prompt, ar, g.token_ids, f"{family} {backend} {method} k={k}")
                 if opts.get("draft") is target:  # the target as its own draft: everything is accepted
                     assert g.stats.acceptance_rate == 1.0
-        adaptive = build_engine(target, "ngram", draft_length=2, adaptive=True).generate(prompt, params)
+        adaptive = build_engine(target, "ngram", draft_length=2, adaptive=True, backend=backend).generate(prompt, params)
         assert_same_or_tie(target.model, prompt, ar, adaptive.token_ids, f"{family} adaptive")
 
 
@@ -95,6 +96,7 @@ def random_vocab_draft(smollm2):
 
 
 @pytest.mark.real_model
+@pytest.mark.timeout(3600)
 def test_smollm2_float32_every_method_equals_plain_greedy(smollm2, random_vocab_draft):
     params = SamplingParams(max_new_tokens=64)
     eos = smollm2.eos_token_ids
