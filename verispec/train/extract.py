@@ -30,10 +30,13 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
     for s in it:
         path = out_dir / f"shard_{s:04d}.pt"
         paths.append(path)
+        ids = [r["id"] for r in shards[s]]
         if path.exists():
-            continue
+            old = torch.load(path)
+            if old.get("ids") == ids and old["layers"] == list(layers):
+                continue  # done before; a shard whose records changed (prompts added) is redone
         seqs = [r["prompt_ids"] + r["answer_ids"] for r in shards[s]]
-        toks, feats, ids, ps = [], [], [], []
+        toks, feats, tops, ps = [], [], [], []
         for b in range(0, len(seqs), batch_size):
             chunk = seqs[b:b + batch_size]
             width = max(len(x) for x in chunk)
@@ -50,12 +53,12 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
                 n = len(x)
                 toks.append(torch.tensor(x, dtype=torch.int32))
                 feats.append(hs[r, :n].to(torch.bfloat16).cpu())
-                ids.append(i[r, :n].to(torch.int32).cpu())
+                tops.append(i[r, :n].to(torch.int32).cpu())
                 ps.append(p[r, :n].to(torch.float16).cpu())
         tmp = path.with_suffix(".tmp")
-        torch.save({"layers": list(layers), "tokens": torch.cat(toks), "lengths": torch.tensor([len(x) for x in seqs]),
+        torch.save({"ids": ids, "layers": list(layers), "tokens": torch.cat(toks), "lengths": torch.tensor([len(x) for x in seqs]),
                     "prompt_lengths": torch.tensor([len(r["prompt_ids"]) for r in shards[s]]),
-                    "feats": torch.cat(feats), "topk_ids": torch.cat(ids), "topk_p": torch.cat(ps)}, tmp)
+                    "feats": torch.cat(feats), "topk_ids": torch.cat(tops), "topk_p": torch.cat(ps)}, tmp)
         tmp.replace(path)
     return paths
 
