@@ -19,11 +19,8 @@ from verispec.types import Proposal, SamplingParams
 
 @pytest.fixture(autouse=True)
 def _one_thread(request):
-    """Tiny models and tables: one intra-op thread (a 2-thread barrier costs far more than these ops,
-    and ruinously so on a busy machine); real models keep the session's setting."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
+    """One intra-op thread: a 2-thread barrier costs far more than tiny models' ops, and ruinously so on
+    a busy shared machine; it also keeps the float reduction order the same for every pass size."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
