@@ -62,12 +62,18 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--draft-length", type=int, default=6)
+    ap.add_argument("--backend", default="auto", help="auto | hf | fast")
+    ap.add_argument("--exact", default=None, choices=[None, "on", "off"], help="fast path exact mode (default: on for greedy)")
     ap.add_argument("--out", default=None, help="write the raw measurements as JSON here")
     args = ap.parse_args()
 
     target = load_model("smollm2-135m", dtype=args.dtype)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    engines = {"ar": build_engine(target, "ar"), "ngram": build_engine(target, "ngram", draft_length=args.draft_length)}
+    opts = {"backend": args.backend}
+    if args.exact is not None:
+        opts["exact"] = args.exact == "on"
+    engines = {"ar": build_engine(target, "ar", **opts),
+               "ngram": build_engine(target, "ngram", draft_length=args.draft_length, **opts)}
     warm = target.encode(chat="Hello")
     for e in engines.values():
         e.generate(warm, SamplingParams(max_new_tokens=8))
@@ -92,7 +98,8 @@ def main() -> None:
               f"ngram {row['ngram_tokens']/row['ngram_time']:6.1f} (tau {row['ngram_tau']:.2f}) | "
               f"ar==hf {row['ar_equals_hf']} ngram==ar {row['ngram_equals_ar']}", flush=True)
 
-    print(f"\nsmollm2-135m {args.dtype}, {torch.get_num_threads()} threads, {args.max_new_tokens} new tokens max")
+    print(f"\nsmollm2-135m {args.dtype}, backend {args.backend}, exact {args.exact or 'default'}, "
+          f"{torch.get_num_threads()} threads, {args.max_new_tokens} new tokens max")
     for cat in sorted({r["category"] for r in rows}):
         sel = [r for r in rows if r["category"] == cat]
         tps = {m: sum(r[f"{m}_tokens"] for r in sel) / sum(r[f"{m}_time"] for r in sel) for m in ("hf", "ar", "ngram")}
