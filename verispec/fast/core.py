@@ -56,7 +56,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, a: Arch) -> torch.Tensor:
+               cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, a: Arch,
+               linear: Callable = F.linear) -> torch.Tensor:
     """One decoder layer for T tokens.
 
     x:       [T, hidden]              hidden states of the tokens in this pass
@@ -65,11 +66,12 @@ def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.T
     slots:   LongTensor [T]           the cache slot each token's key/value goes to
     cos/sin: [T, 1, head_dim]         rotary tables for the tokens' position ids
     mask:    BoolTensor [T, L]        True where token t may attend to cache slot s (L <= S)
+    linear:  how the projection weights in `w` are applied (F.linear, or the packed op of packed.py)
     """
     T = x.shape[0]
     nq, nkv, hd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.head_dim
     h = rms_norm(x, w["ln_attn"], a.eps, a.gemma_norm)
-    qkv = F.linear(h, w["wqkv"], w.get("bqkv"))
+    qkv = linear(h, w["wqkv"], w.get("bqkv"))
     q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
     q = q.reshape(T, a.n_heads, hd)
     k = k.reshape(T, a.n_kv_heads, hd)
@@ -80,20 +82,21 @@ def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.T
     q = _rotate(q, cos, sin)
     k = _rotate(k, cos, sin)
     # the position is the pointer: keys land in their slots, nothing is concatenated or reallocated
-    k_cache.index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+    # the cache may hold a wider dtype than the model (float32 for bfloat16 on CPU, see FastDecoder)
+    k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
     L = mask.shape[-1]
     keys, values = k_cache[:, :L], v_cache[:, :L]
-    qh = q.transpose(0, 1)  # [H, T, hd]
+    qh = q.transpose(0, 1).to(k_cache.dtype)  # [H, T, hd]
     o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask[None, None],
-                                       scale=a.scale, enable_gqa=a.n_heads != a.n_kv_heads)[0]
-    o = F.linear(o.transpose(0, 1).reshape(T, nq), w["wo"], w.get("bo"))
+                                       scale=a.scale, enable_gqa=a.n_heads != a.n_kv_heads)[0].to(x.dtype)
+    o = linear(o.transpose(0, 1).reshape(T, nq), w["wo"], w.get("bo"))
     if a.sandwich:
         o = rms_norm(o, w["ln_post_attn"], a.eps, a.gemma_norm)
     x = x + o
     h = rms_norm(x, w["ln_mlp"], a.eps, a.gemma_norm)
-    gate, up = F.linear(h, w["wgu"]).chunk(2, dim=-1)
-    h = F.linear(a.act(gate) * up, w["wdown"])
+    gate, up = linear(h, w["wgu"]).chunk(2, dim=-1)
+    h = linear(a.act(gate) * up, w["wdown"])
     if a.sandwich:
         h = rms_norm(h, w["ln_post_mlp"], a.eps, a.gemma_norm)
     return x + h

@@ -1,0 +1,76 @@
+"""Weights prepacked for oneDNN's linear kernel on CPU: the GEMMs of a decode step at memory speed.
+
+At batch 1 a decode step is a chain of GEMVs over the weights. On this project's CPU (AVX-512 with
+bf16 dot products, no AMX) `F.linear` reads a weight from memory at 9-19 GB/s, far below the ~35 GB/s
+the cores can stream (measured 2026-12-03 with torch 2.13: SmolLM2's 49152 x 576 LM head in bfloat16
+took 4.7 ms, the same weight prepacked 1.6 ms; a 3072 x 576 MLP weight 210 us vs 84 us). The packed
+layout is oneDNN's blocked layout, chosen once at load (`torch.ops.mkldnn._reorder_linear_weight`,
+the op inductor's CPU freezing pass uses) and run by `torch.ops.mkldnn._linear_pointwise`.
+
+A packed weight is a copy in another layout: only this op can read it. Off CPU, in other dtypes, or
+where the ops are missing or disagree with `F.linear` on a probe, the plain weight and `F.linear`
+are used instead, so the fast path never depends on them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# the batch size oneDNN tunes the layout for: exact mode runs 8-row passes (benchmarks/fast_decode.py)
+PACK_BATCH = 8
+
+
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where packed weights can be used: CPU, float32 or bfloat16, the oneDNN ops present and
+    agreeing with F.linear on a probe. VERISPEC_PACKED=0 turns it off."""
+    if os.environ.get("VERISPEC_PACKED", "1") == "0" or torch.device(device).type != "cpu":
+        return False
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(40, 24, generator=g).to(dtype)
+        x = torch.randn(3, 24, generator=g).to(dtype)
+        got = _packed_linear(x, pack(w))
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(got.float(), F.linear(x, w).float(), atol=tol, rtol=tol))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] weight -> the same weight in oneDNN's layout (a new tensor of the same size)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_BATCH)
+
+
+@torch.library.custom_op("verispec::packed_linear", mutates_args=())
+def _opaque_packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return _packed_linear(x, w, b)
+
+
+@_opaque_packed_linear.register_fake
+def _(x, w, b):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def for_compile(linear: Callable) -> Callable:
+    """The linear to trace under torch.compile: inductor's own lowering of the oneDNN op expects weights
+    it packed itself, so a packed weight goes through an opaque custom op that it calls as is."""
+    if linear is _packed_linear:
+        return lambda x, w, b=None: _opaque_packed_linear(x, w, b)
+    return linear
+
+
+def linear_for(dtype: torch.dtype, device: torch.device) -> tuple[Callable, Callable]:
+    """(pack, linear): how to prepare a weight once and how to apply it, for this dtype and device."""
+    if available(dtype, device):
+        return pack, _packed_linear
+    return (lambda w: w), F.linear
