@@ -65,7 +65,7 @@ class FastDecoder:
             # one graph per (bucket, dtype); the default limit of 8 would fall back to eager silently
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             step = functools.partial(layer_step, a=self.arch, linear=packed.for_compile(self.linear))
-            self._compiled = torch.compile(step, dynamic=False, fullgraph=True)
+            self._compiled = torch.compile(step, dynamic=None, fullgraph=True)
         return self._compiled
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
@@ -78,6 +78,8 @@ class FastDecoder:
         capture: hidden-state indices (transformers' numbering: i = output of layer i - 1, n_layers = the
         final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features)."""
         step = self.compiled_step() if compiled else self._step
+        if compiled:  # the attended length grows in kv blocks: one graph for every length
+            torch._dynamo.mark_dynamic(mask, 1)
         x = F.embedding(ids, self.embed)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale).to(self.dtype)  # float32 scalar cast, as transformers does
