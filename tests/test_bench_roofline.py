@@ -31,6 +31,15 @@ def test_default_ns():
         rl.default_ns(0)
 
 
+def test_roofline_backend_choice():
+    """--backend hf times transformers' forward, the runner the engine uses with backend 'hf'."""
+    res = rl.measure(loaded(tiny_llama()), context=8, ns=[1, 2], repeats=1, warmup=0, bandwidth_bytes=1 << 20,
+                     backend="hf")
+    assert res["backend"] == "hf" and [p["n"] for p in res["points"]] == [1, 2]
+    with pytest.raises(InvalidParameter):
+        rl.measure(loaded(tiny_llama()), context=8, ns=[1], backend="turbo")
+
+
 def test_roofline_on_tiny_model(tmp_path):
     target = loaded(tiny_llama())
     calls = []
@@ -52,6 +61,7 @@ def test_roofline_on_tiny_model(tmp_path):
     assert res["floor_s"] == pytest.approx(res["weight_bytes"]["streamed"] / (res["bandwidth"]["gb_per_s"] * 1e9))
     table = rl.format_table(res)
     assert "free positions" in table and "bandwidth floor" in table
+    assert res["backend"] == "fast" and "fast backend" in table  # the engine's default runner for Llama
     # the cache is left as it was: the probe crops back after every forward
     path = write_json(res, tmp_path / "roof.json")
     png = plot_roofline(json.loads(path.read_text()), tmp_path / "roof.png")
@@ -60,23 +70,23 @@ def test_roofline_on_tiny_model(tmp_path):
     assert curve.ns == [1, 2, 4, 8] and curve.ratio(1) == 1.0
 
 
-def test_forward_is_timed_on_the_fixed_context():
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_forward_is_timed_on_the_fixed_context(backend, monkeypatch):
     """Every timed forward sees exactly `context` cached positions (forward then crop back)."""
-    from verispec import runner as runner_mod
+    from verispec.fast import FastRunner
+    from verispec.runner import HFRunner
 
+    cls = HFRunner if backend == "hf" else FastRunner
     seen = []
-    original = runner_mod.HFRunner.forward
+    original = cls.forward
 
     def spy(self, ids, *args, **kwargs):
         seen.append((self.length, len(ids)))
         return original(self, ids, *args, **kwargs)
 
-    target = loaded(tiny_llama())
-    try:
-        runner_mod.HFRunner.forward = spy
-        rl.measure(target, context=10, ns=[1, 4], repeats=2, warmup=1, bandwidth_bytes=1 << 20)
-    finally:
-        runner_mod.HFRunner.forward = original
+    monkeypatch.setattr(cls, "forward", spy)
+    rl.measure(loaded(tiny_llama()), context=10, ns=[1, 4], repeats=2, warmup=1, bandwidth_bytes=1 << 20,
+               backend=backend)
     assert seen[0] == (0, 10)
     assert seen[1:] == [(10, 1)] * 3 + [(10, 4)] * 3
 

@@ -2,8 +2,9 @@
 
 Batch-1 decoding is memory-bandwidth bound: every forward streams all weights once, so scoring N
 drafted positions costs about as much as scoring one until compute catches up. This module measures
-that curve on the machine at hand (the same HFRunner forward + crop the engine verifies with), the copy
-bandwidth, and the weight bytes, and derives the bandwidth floor and the "free" N.
+that curve on the machine at hand (the same runner forward + crop the engine verifies with: the fast
+path where the family has one, else transformers; `backend` chooses as the engine's option does), the
+copy bandwidth, and the weight bytes, and derives the bandwidth floor and the "free" N.
 """
 
 from __future__ import annotations
@@ -78,12 +79,14 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
 
 
 def measure(target, context: int = 200, ns: list[int] | None = None, repeats: int = 7, warmup: int = 2,
-            seed: int = 0, bandwidth_bytes: int | None = None, progress: Callable[[int], None] | None = None) -> dict:
+            seed: int = 0, bandwidth_bytes: int | None = None, progress: Callable[[int], None] | None = None,
+            backend: str = "auto") -> dict:
     """Time one forward over N new positions after `context` cached positions, for each N.
 
-    target: a LoadedModel. Returns a JSON-ready dict: points (n, median_s, times_s), bandwidth, weight
+    target: a LoadedModel; backend: auto, hf or fast (the fast runner runs every row as it would in a
+    verification pass: exact mode off, so N rows cost N rows). Returns a JSON-ready dict: points (n, median_s, times_s), bandwidth, weight
     bytes, the bandwidth floor for one forward and the free positions."""
-    from verispec.runner import HFRunner
+    from verispec.fast import FastRunner, make_runner
 
     ns = sorted(set(ns or default_ns(256)))
     if ns[0] < 1:
@@ -98,7 +101,7 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
         raise InvalidParameter(f"context {context} + N {ns[-1]} exceeds the model's {target.context_length} positions; "
                                "lower --context or --max-n")
     device = target.device
-    runner = HFRunner(target.model)
+    runner = make_runner(target.model, backend, exact=False)
     gen = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
     ctx_ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -129,6 +132,7 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
         "model": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(device),
+        "backend": "fast" if isinstance(runner, FastRunner) else "hf",
         "context": context,
         "repeats": repeats,
         "warmup": warmup,
@@ -153,7 +157,7 @@ def summarize(result: dict) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"roofline: {result['model']} ({result['dtype']}, {result['device']}), context {result['context']}, "
+    lines = [f"roofline: {result['model']} ({result['dtype']}, {result['device']}, {result.get('backend', 'hf')} backend), context {result['context']}, "
              f"median of {result['repeats']} after {result['warmup']} warm-up",
              f"{'N':>5} {'forward ms':>11} {'x N=1':>7} {'ms/position':>12}"]
     for p in result["points"]:

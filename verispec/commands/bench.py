@@ -40,6 +40,7 @@ def roofline(
     repeats: int = typer.Option(7, "--repeats", help="Timed forwards per N (the median is reported)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed forwards per N first."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
+    backend: str = typer.Option("auto", "--backend", help="auto (the engine's default: the fast path where the family has one), hf or fast."),
     output: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON file (default results/roofline-MODEL-DTYPE-DEVICE.json); the PNG goes next to it."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -54,7 +55,7 @@ def roofline(
     ns = rl.default_ns(max_n)
     target = load_model(model, dtype=dtype, device=device)
     bar = tqdm(total=len(ns), disable=not progress, desc="roofline", unit="N")
-    result = rl.measure(target, context=context, ns=ns, repeats=repeats, warmup=warmup,
+    result = rl.measure(target, context=context, ns=ns, repeats=repeats, warmup=warmup, backend=backend,
                         progress=lambda n: (bar.set_postfix_str(f"N={n}"), bar.update(1)))
     bar.close()
     import torch
