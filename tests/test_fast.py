@@ -196,6 +196,23 @@ def test_tree_logits_equal_each_path_alone_and_compact(family, exact):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_compact_after_the_cache_grew():
+    """A forward that grows the cache (inside inference mode) leaves inference tensors; compacting a tree
+    path afterwards, from outside inference mode as the engine does, must still work."""
+    model = tiny_llama()
+    runner = FastRunner(model, capacity=1500, exact=False, kv_block=16)
+    small = runner.allocated
+    ids = torch.randint(0, 32, (small + 8,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner.forward(ids, last_only=True)
+    assert runner.allocated > small  # it grew
+    base = runner.length
+    runner.forward(ids[:4])
+    keys = [k[:, base + 2].clone() for k in runner.k]
+    runner.compact(base, [0, 2])
+    assert runner.length == base + 2
+    assert all(torch.equal(k[:, base + 1], want) for k, want in zip(runner.k, keys))
+
+
 def test_tree_start_grows_a_tree_over_several_calls():
     """A drafter feeding a tree depth by depth (tree_start) gets the logits of the whole-tree call."""
     model = tiny_llama()

@@ -106,6 +106,7 @@ class FastRunner:
         if length < self.length:
             self.length = max(0, int(length))
 
+    @torch.inference_mode()  # the cache is an inference tensor once a forward has grown it
     def compact(self, start: int, keep: list[int] | torch.Tensor) -> None:
         """Move the entries at slots start + keep[i] to slot start + i; length becomes start + len(keep)."""
         idx = torch.as_tensor(keep, dtype=torch.long, device=self.device) + start
