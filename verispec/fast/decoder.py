@@ -79,7 +79,7 @@ class FastDecoder:
         final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features)."""
         step = self.compiled_step() if compiled else self._step
         if compiled:  # the attended length grows in kv blocks: one graph for every length
-            torch._dynamo.mark_dynamic(mask, 1)
+            torch._dynamo.maybe_mark_dynamic(mask, 1)  # "maybe": L may equal the whole allocation
         x = F.embedding(ids, self.embed)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale).to(self.dtype)  # float32 scalar cast, as transformers does

@@ -7,9 +7,12 @@ so sliding windows and tree depths work from position ids, not slot numbers).
 
 Shapes. Every pass runs T tokens (padding rows are computed and thrown away) and attends over the
 first L slots of the cache with a [T, L] boolean mask, L a multiple of `kv_block` (masked slots add
-exact zeros, so a position's attention result does not depend on how far L reaches). Eager mode uses
-the exact token count; compiled mode pads to a few token buckets and marks L dynamic, so
-torch.compile makes one graph per bucket for every length (the cache is then allocated in full up
+exact zeros, so a position's attention result does not depend on how far L reaches). kv_block is 512
+by default because PyTorch's CPU flash attention splits the keys into blocks of 512 and rounds a
+partly filled last block differently for different L: with kv_block 256, SmolLM2's logits at
+positions 762-765 changed when the pass attended over 768 slots instead of 1024 (measured 2026-12-03;
+tests/test_fast.py checks the property across that boundary). Eager mode uses the exact token
+count; compiled mode pads to a few token buckets and marks L dynamic, so torch.compile makes one graph per bucket for every length (the cache is then allocated in full up
 front; eager mode grows it by doubling, a copy, as the sequence grows). Attending over the whole
 allocation instead cost 2.3x per decode step (measured 2026-12-03, SmolLM2 bf16: 56 ms vs 30 ms).
 
@@ -51,7 +54,7 @@ def _round_up(x: int, m: int) -> int:
 class FastRunner:
     def __init__(self, model, capacity: int | None = None, exact: bool | None = None, exact_bucket: int = 8,
                  compile: bool = False, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                 prefill_chunk: int = 256, kv_block: int = 256):
+                 prefill_chunk: int = 256, kv_block: int = 512):
         """model: a loaded transformers causal LM of a supported family (its weights are shared).
         capacity: the most positions a sequence may hold (default: min(max positions, 4096)).
         exact: True / False, or None = on for greedy and off for sampling (set by `prepare`)."""
