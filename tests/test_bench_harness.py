@@ -269,11 +269,12 @@ def test_cli_smoke_bench_roofline_report(saved_tiny, tmp_path):
     assert "free positions" in r.output and roof.with_suffix(".png").read_bytes()[:8] == PNG
     out = tmp_path / "bench.json"
     r = cli.invoke(app, ["bench", "--model", str(saved_tiny), "--method", "ar", "--method", "ngram:draft_length=3",
-                         "--per-category", "1", "--category", "mt_bench,qa", "--max-new-tokens", "16",
+                         "--method", "ngram:tree=static:small", "--per-category", "1", "--category", "mt_bench,qa", "--max-new-tokens", "16",
                          "--baselines", "hf", "--roofline", str(roof), "--out", str(out), "--no-progress"])
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert len(data["questions"]) == 2 and "predicted_speedup_curve" in data["summary"]["ngram"]["overall"]
+    assert "| ngram[tree=static:small] |" in r.output  # labels are printed as text, not as rich markup
     assert data["cost_curve"]["ns"] == [1, 2, 4, 8]
     for suffix in ("_speedup.png", "_acceptance.png", "_throughput.png"):
         assert (tmp_path / f"bench{suffix}").read_bytes()[:8] == PNG

@@ -347,3 +347,50 @@ def test_compiled_step_matches_eager():
     a = torch.cat([eager.forward(ids[8:11]), eager.forward(ids[11:14])])
     b = torch.cat([comp.forward(ids[8:11]), comp.forward(ids[11:14])])
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def _random_tree(n: int, seed: int):
+    """A random tree of n nodes in topological order: parents, ancestor mask, depths."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    depths = torch.zeros(n, dtype=torch.long)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+        depths[i] = int(anc[i].sum()) - 1
+    return parents, anc, depths
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral_window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_mode_tree_logits_are_bit_identical_to_chains(family, dtype):
+    """Exact mode's layout-free attention (fast/canonical.py): every tree node's logits are the bits the
+    same tokens get as a plain chain, though its ancestors sit at other cache slots; so is the step
+    after compacting a path. Prefixes put the trees across 64-position cuts and past the first one.
+    Without it (FastRunner.canonical = False: fused SDPA over the tree slots) the float32 cases fail here
+    (in bfloat16 the tiny models' activations round the difference away; SmolLM2's did not)."""
+    model = FAMILIES[family]().to(dtype)
+    for prefix_len, n, seed in ((150, 20, 1), (187, 24, 2), (40, 12, 3)):
+        gen = torch.Generator().manual_seed(seed)
+        prefix = torch.randint(0, 32, (prefix_len,), generator=gen)
+        tokens = torch.randint(0, 32, (n,), generator=gen)
+        parents, anc, depths = _random_tree(n, seed)
+        runner = FastRunner(model, capacity=512, exact=True)
+        runner.forward(prefix, last_only=True)
+        tree = runner.forward_tree(tokens, anc, depths)
+        leaves = [i for i in range(n) if i not in parents]
+        for leaf in leaves:
+            path = _path(parents, leaf)
+            chain = FastRunner(model, capacity=512, exact=True)
+            chain.forward(prefix, last_only=True)
+            assert torch.equal(tree[path], chain.forward(tokens[path])), (family, dtype, prefix_len, leaf)
+        path = _path(parents, leaves[-1])
+        runner.compact(prefix_len, path)
+        chain = FastRunner(model, capacity=512, exact=True)
+        chain.forward(prefix, last_only=True)
+        chain.forward(tokens[path])  # the path's keys from an exact pass, as plain decoding makes them
+        nxt = torch.tensor([3, 9, 4])
+        assert torch.equal(runner.forward(nxt), chain.forward(nxt))

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from verispec.cli import app, fail, friendly
@@ -172,11 +173,11 @@ def bench(
     path = output or Path("results") / f"bench-{_slug(model)}-{result['config']['dtype']}.json"
     files = write_bench(result, path, plots=plots)
     md = markdown(result)
-    out.print(md[md.index("## Overall"):md.index("## Per category")].strip())
+    out.print(md[md.index("## Overall"):md.index("## Per category")].strip(), markup=False)  # labels hold [..]
     out.print("wrote " + ", ".join(str(p) for p in files.values()))
     bad = mismatch_lines(result)
     for line in bad:
-        err.print(f"[bold red]{line}[/]")
+        err.print(escape(line), style="bold red")
     if any(m["kind"] == "verispec" for m in result["mismatches"]):
         fail("a lossless method's greedy output differs from plain decoding (see above)", code=1)
 

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from verispec.fast import canonical
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -57,7 +59,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, a: Arch,
-               linear: Callable = F.linear) -> torch.Tensor:
+               linear: Callable = F.linear, canon=None) -> torch.Tensor:
     """One decoder layer for T tokens.
 
     x:       [T, hidden]              hidden states of the tokens in this pass
@@ -67,6 +69,8 @@ def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.T
     cos/sin: [T, 1, head_dim]         rotary tables for the tokens' position ids
     mask:    BoolTensor [T, L]        True where token t may attend to cache slot s (L <= S)
     linear:  how the projection weights in `w` are applied (F.linear, or the packed op of packed.py)
+    canon:   a canonical.Canon plan (exact mode): attention independent of the key layout; `mask` is
+             then canonical.bias(...) of the mask in canonical (position) order
     """
     T = x.shape[0]
     nq, nkv, hd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.head_dim
@@ -88,8 +92,11 @@ def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.T
     L = mask.shape[-1]
     keys, values = k_cache[:, :L], v_cache[:, :L]
     qh = q.transpose(0, 1).to(k_cache.dtype)  # [H, T, hd]
-    o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask[None, None],
-                                       scale=a.scale, enable_gqa=a.n_heads != a.n_kv_heads)[0].to(x.dtype)
+    if canon is not None:
+        o = canonical.attention(qh, k_cache, v_cache, mask, a.scale, canon).to(x.dtype)
+    else:
+        o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask[None, None],
+                                           scale=a.scale, enable_gqa=a.n_heads != a.n_kv_heads)[0].to(x.dtype)
     o = linear(o.transpose(0, 1).reshape(T, nq), w["wo"], w.get("bo"))
     if a.sandwich:
         o = rms_norm(o, w["ln_post_attn"], a.eps, a.gemma_norm)

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import packed
+from verispec.fast import canonical, packed
 from verispec.fast.core import Arch, layer_step, rms_norm, rope_tables
 
 PROJECTIONS = ("wqkv", "wo", "wgu", "wdown")
@@ -71,12 +71,15 @@ class FastDecoder:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
                 slot_pos: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                 rows: torch.Tensor | slice | None = None, compiled: bool = False,
-                capture: tuple[int, ...] | None = None, captured: list | None = None) -> torch.Tensor:
+                capture: tuple[int, ...] | None = None, captured: list | None = None,
+                canon=None) -> torch.Tensor:
         """ids/pos/slots [T], mask [T, L] (causal or tree, before sliding windows), slot_pos [S] the
         position id held by each cache slot (already updated for `slots`) -> logits [rows, V] float32.
 
         capture: hidden-state indices (transformers' numbering: i = output of layer i - 1, n_layers = the
-        final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features)."""
+        final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features).
+        canon: a canonical.Canon plan (eager exact mode); `mask` is then over canonical columns, where
+        column c holds position c."""
         step = self.compiled_step() if compiled else self._step
         if compiled:  # the attended length grows in kv blocks: one graph for every length
             torch._dynamo.maybe_mark_dynamic(mask, 1)  # "maybe": L may equal the whole allocation
@@ -86,12 +89,16 @@ class FastDecoder:
         tables = {key: rope_tables(pos, inv, scaling, self.dtype) for key, (inv, scaling) in self.ropes.items()}
         masks: dict[int | None, torch.Tensor] = {None: mask}
         L = mask.shape[-1]
+        key_pos = slot_pos[:L] if canon is None else torch.arange(L, device=mask.device)
         for w in set(self.windows):
             if w is not None:  # sliding window from position ids, so tree nodes and compacted paths work alike
-                masks[w] = mask & ((pos[:, None] - slot_pos[None, :L]) < w)
+                masks[w] = mask & ((pos[:, None] - key_pos[None, :]) < w)
+        if canon is not None:
+            g = self.arch.n_heads // self.arch.n_kv_heads
+            masks = {key: canonical.bias(m, g) for key, m in masks.items()}
         for i, lw in enumerate(self.layers):
             cos, sin = tables[self.rope_keys[i]]
-            x = step(x, lw, k_cache[i], v_cache[i], slots, cos, sin, masks[self.windows[i]])
+            x = step(x, lw, k_cache[i], v_cache[i], slots, cos, sin, masks[self.windows[i]], canon=canon)
             if capture and i + 1 in capture and i + 1 < len(self.layers):
                 captured.append((i + 1, x))
         if capture and len(self.layers) in capture:

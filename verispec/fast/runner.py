@@ -19,8 +19,11 @@ allocation instead cost 2.3x per decode step (measured 2026-12-03, SmolLM2 bf16:
 Exact mode (default for greedy decoding, see `prepare`): every pass that returns logits runs exactly
 `exact_bucket` tokens, so the GEMM kernels, which round differently for different row counts
 (measured here: a 1-row float32 GEMM differs in the last bits from the same row in a 4-row one), see
-the same shapes in plain decoding and in verification: greedy speculative output is bit-identical to
-plain decoding, in bfloat16 too. Its cost: plain decoding pays a forward over `exact_bucket` positions
+the same shapes in plain decoding and in verification, and attention runs canonical.py's layout-free
+computation (a tree node's ancestors sit at other slots than plain decoding put them; the fused
+attention kernels sum differently for that): greedy speculative output, chains and trees, is
+bit-identical to plain decoding, in bfloat16 too (eager mode; compiled mode keeps the fused kernel,
+so there only chains are). Its cost: plain decoding pays a forward over `exact_bucket` positions
 instead of one (see benchmarks/fast_decode.py for the figure on this machine). Turn it off with
 FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). Prefill
 (last_only=True) is the same call in every method, so it runs in large chunks either way.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from verispec.errors import InvalidPrompt, UnsupportedModel
+from verispec.fast import canonical
 
 
 def build_fast_model(model):
@@ -69,6 +73,7 @@ class FastRunner:
         self.compile = compile
         self.exact_setting = exact
         self.exact = True if exact is None else bool(exact)
+        self.canonical = True  # exact mode's layout-independent attention (canonical.py); False: fused SDPA
         self.headroom = max(max(self.buckets), exact_bucket, prefill_chunk)  # padding rows write past the end
         self.slots_total = _round_up(self.capacity + self.headroom, kv_block)
         self.device = self.net.device
@@ -202,13 +207,25 @@ class FastRunner:
                 width = min(anc.shape[1], L - tree_start)
                 mask[:take, tree_start:tree_start + width] = anc[c0:c1, :width]
                 mask[take:] = cols[None, :] <= slots[take:, None]  # padding rows: harmless causal rows
+            canon = None
+            if exact_shape and not compiled and self.canonical:  # layout-free attention: trees exact too
+                if anc is None:
+                    order = None  # a chain's slots are its positions
+                else:
+                    order = cols.expand(T, L).clone()
+                    rr, jj = anc[c0:c1, :width].nonzero(as_tuple=True)
+                    seen = tree_start + jj
+                    order[rr, self.slot_pos[seen]] = seen  # column = position: the row's ancestors
+                    mask = cols[None, :] <= pos[:, None]
+                canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start)
             if last_only:
                 rows = slice(take - 1, take) if c1 == n else slice(0, 0)
             else:
                 rows = slice(0, T) if exact_shape else slice(0, take)
             captured: list = []
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.k, self.v, rows=rows,
-                                      compiled=compiled, capture=self.feature_layers, captured=captured)
+                                      compiled=compiled, capture=self.feature_layers, captured=captured,
+                                      canon=canon)
             if self.feature_layers:
                 got = dict(captured)
                 feats.append(torch.cat([got[i][:take] for i in self.feature_layers], dim=-1))
