@@ -270,11 +270,16 @@ def test_cli_smoke_bench_roofline_report(saved_tiny, tmp_path):
     out = tmp_path / "bench.json"
     r = cli.invoke(app, ["bench", "--model", str(saved_tiny), "--method", "ar", "--method", "ngram:draft_length=3",
                          "--method", "ngram:tree=static:small", "--per-category", "1", "--category", "mt_bench,qa", "--max-new-tokens", "16",
-                         "--baselines", "hf", "--roofline", str(roof), "--out", str(out), "--no-progress"])
+                         "--baselines", "hf,llamacpp", "--roofline", str(roof), "--out", str(out), "--no-progress"])
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert len(data["questions"]) == 2 and "predicted_speedup_curve" in data["summary"]["ngram"]["overall"]
     assert "| ngram[tree=static:small] |" in r.output  # labels are printed as text, not as rich markup
+    from verispec.bench.baselines import llamacpp_available
+
+    if not llamacpp_available():  # an optional baseline that cannot run is reported, not dropped silently
+        assert "llama-cpp-python" in data["config"]["skipped_contenders"]["llamacpp"]
+        assert "not run: llamacpp" in r.output
     assert data["cost_curve"]["ns"] == [1, 2, 4, 8]
     for suffix in ("_speedup.png", "_acceptance.png", "_throughput.png"):
         assert (tmp_path / f"bench{suffix}").read_bytes()[:8] == PNG

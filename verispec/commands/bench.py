@@ -141,7 +141,7 @@ def bench(
 ):
     """Spec-Bench style benchmark: methods and baselines on the same prompts, speedups measured in the same run."""
     from verispec.bench import prompts as pr
-    from verispec.bench.baselines import BASELINES, llamacpp_available, parse_method
+    from verispec.bench.baselines import BASELINES, parse_method
     from verispec.bench.harness import run_bench
     from verispec.bench.report import markdown, mismatch_lines, write_bench
     from verispec.models import load_model
@@ -153,7 +153,8 @@ def bench(
     if any(s.method == "draft" for s in specs) and draft is None:
         fail("--method draft needs --draft MODEL")
     if baselines == "auto":
-        names = ["hf", "hf-pld"] + (["hf-assisted"] if draft else []) + (["llamacpp", "llamacpp-pld"] if llamacpp_available() else [])
+        # llama.cpp is always asked for: when it is not installed the result says "not run: ... (why)"
+        names = ["hf", "hf-pld"] + (["hf-assisted"] if draft else []) + ["llamacpp", "llamacpp-pld"]
     elif baselines == "none":
         names = []
     else:
@@ -175,6 +176,8 @@ def bench(
     md = markdown(result)
     out.print(md[md.index("## Overall"):md.index("## Per category")].strip(), markup=False)  # labels hold [..]
     out.print("wrote " + ", ".join(str(p) for p in files.values()))
+    for name, why in (result["config"].get("skipped_contenders") or {}).items():
+        err.print(f"not run: {name} ({why})", markup=False)
     bad = mismatch_lines(result)
     for line in bad:
         err.print(escape(line), style="bold red")
