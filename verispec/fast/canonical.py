@@ -45,24 +45,23 @@ class Canon:
     groups: list[tuple[int, torch.Tensor]]
     tail_cols: torch.Tensor
     tail_slots: torch.Tensor
-    _per_group: dict = field(default_factory=dict)
+    _derived: dict = field(default_factory=dict)
 
     def expanded(self, g: int) -> tuple:
         """The index tensors repeated for g query heads per kv head (built once per pass)."""
-        if g not in self._per_group:
-            self._per_group[g] = (None if self.order is None else self.order.repeat(g, 1),
+        if g not in self._derived:
+            self._derived[g] = (None if self.order is None else self.order.repeat(g, 1),
                                   self.tail_cols.repeat(g, 1),
                                   [(b, rows.repeat(g)[:, None]) for b, rows in self.groups])
-        return self._per_group[g]
-
+        return self._derived[g]
 
     def flat_slots(self, kvh: int, S: int) -> torch.Tensor:
         """tail_slots as rows of a [kvh * S, D] view of the cache."""
         key = ("flat", kvh, S)
-        if key not in self._per_group:
+        if key not in self._derived:
             heads = torch.arange(kvh, device=self.tail_slots.device)[:, None] * S
-            self._per_group[key] = (heads + self.tail_slots[None, :]).reshape(-1)
-        return self._per_group[key]
+            self._derived[key] = (heads + self.tail_slots[None, :]).reshape(-1)
+        return self._derived[key]
 
 
 def plan(positions: torch.Tensor, L: int, order: torch.Tensor | None, floor: int | None = None) -> Canon:
@@ -79,7 +78,8 @@ def plan(positions: torch.Tensor, L: int, order: torch.Tensor | None, floor: int
 
 def bias(mask: torch.Tensor, g: int) -> torch.Tensor:
     """[T, L] boolean canonical mask -> additive float32 bias [g * T, L] (0 or -inf), once per pass."""
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf")).repeat(g, 1)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return out.masked_fill_(~mask, float("-inf")).repeat(g, 1)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias_: torch.Tensor, scale: float,

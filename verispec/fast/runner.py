@@ -12,9 +12,10 @@ by default because PyTorch's CPU flash attention splits the keys into blocks of 
 partly filled last block differently for different L: with kv_block 256, SmolLM2's logits at
 positions 762-765 changed when the pass attended over 768 slots instead of 1024 (measured 2026-12-03;
 tests/test_fast.py checks the property across that boundary). Eager mode uses the exact token
-count; compiled mode pads to a few token buckets and marks L dynamic, so torch.compile makes one graph per bucket for every length (the cache is then allocated in full up
-front; eager mode grows it by doubling, a copy, as the sequence grows). Attending over the whole
-allocation instead cost 2.3x per decode step (measured 2026-12-03, SmolLM2 bf16: 56 ms vs 30 ms).
+count; compiled mode pads to a few token buckets and marks L dynamic, so torch.compile makes one
+graph per bucket for every length (the cache is then allocated in full up front; eager mode grows it
+by doubling, a copy, as the sequence grows). Attending over the whole allocation instead cost 2.3x
+per decode step (measured 2026-12-03, SmolLM2 bf16: 56 ms vs 30 ms).
 
 Exact mode (default for greedy decoding, see `prepare`): every pass that returns logits runs exactly
 `exact_bucket` tokens, so the GEMM kernels, which round differently for different row counts
@@ -200,24 +201,22 @@ class FastRunner:
             tok[:take] = ids[c0:c1]
             self.slot_pos[first:first + T] = pos
             cols = torch.arange(L, device=dev)
+            layout_free = exact_shape and not compiled and self.canonical  # canonical.py: trees exact too
+            order = None  # canonical column -> slot; None: a chain, whose slots are its positions
             if anc is None:  # chain: causal over slots
                 mask = cols[None, :] <= slots[:, None]
+            elif layout_free:  # columns are positions: row i's ancestors are gathered to theirs
+                width = min(anc.shape[1], L - tree_start)
+                order = cols.expand(T, L).clone()
+                rr, jj = anc[c0:c1, :width].nonzero(as_tuple=True)
+                order[rr, self.slot_pos[tree_start + jj]] = tree_start + jj
+                mask = cols[None, :] <= pos[:, None]
             else:
                 mask = (cols < tree_start)[None, :].expand(T, L).clone()
                 width = min(anc.shape[1], L - tree_start)
                 mask[:take, tree_start:tree_start + width] = anc[c0:c1, :width]
                 mask[take:] = cols[None, :] <= slots[take:, None]  # padding rows: harmless causal rows
-            canon = None
-            if exact_shape and not compiled and self.canonical:  # layout-free attention: trees exact too
-                if anc is None:
-                    order = None  # a chain's slots are its positions
-                else:
-                    order = cols.expand(T, L).clone()
-                    rr, jj = anc[c0:c1, :width].nonzero(as_tuple=True)
-                    seen = tree_start + jj
-                    order[rr, self.slot_pos[seen]] = seen  # column = position: the row's ancestors
-                    mask = cols[None, :] <= pos[:, None]
-                canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start)
+            canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start) if layout_free else None
             if last_only:
                 rows = slice(take - 1, take) if c1 == n else slice(0, 0)
             else:
