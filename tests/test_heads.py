@@ -87,6 +87,36 @@ def test_greedy_exact_tiny(kind, tree, backend, tiny, plain_outputs):
         assert got.stats.drafted > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_eagle_head_drafts_like_its_parameters(tiny, plain_outputs, dtype):
+    """Drafting with packed weight copies (EagleHead.pack_for_inference): the head's outputs stay those
+    of its parameters (to the dtype's rounding), its state dict gains nothing, and output stays exact."""
+    head = random_eagle(tiny, vocab=24)
+    x = torch.randn(5, head.fc.in_features)
+    ids = torch.tensor([1, 4, 9, 2, 7])
+    pos = torch.arange(5)
+
+    def run():
+        with torch.no_grad():
+            h = head.inputs(ids, head.project(x))
+            q, k, v = head.qkv(h, pos)
+            att = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(q.shape[0] // k.shape[0], 0),
+                                                                   v.repeat_interleave(q.shape[0] // v.shape[0], 0))
+            return head.logits(head.finish(h, att))
+
+    keys = set(head.state_dict())
+    want = run()
+    drafter = EagleDrafter(head, tiny.vocab_size, weights_dtype=dtype)
+    assert head._packed is not None or dtype == torch.float32
+    got = run()
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * float(want.abs().max())
+    assert torch.allclose(got, want, atol=tol, rtol=0), float((got - want).abs().max())
+    assert set(head.state_dict()) == keys
+    engine = Engine.for_model(tiny, drafter, draft_length=4, tree="dynamic", backend="fast")
+    for prompt, expect in zip(PROMPTS, plain_outputs["fast"]):
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW)).token_ids == expect
+
+
 def test_greedy_exact_gemma3_eagle():
     target = loaded(tiny_gemma3(vocab=40, seed=2))
     for kind in ("eagle", "medusa"):

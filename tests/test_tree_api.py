@@ -41,7 +41,7 @@ def test_auto_budget_follows_the_cost_curve():
     target = loaded(tiny_llama())
     flat = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 256: 1.0}, backend="hf")
     steep = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 256: 256.0}, backend="hf")
-    assert flat.tree_shape(6).budget == 64 and steep.tree_shape(6).budget == 1
+    assert flat.tree_shape(6).budget == 63 and steep.tree_shape(6).budget == 1
     g = flat.generate([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12))
     assert g.token_ids == build_engine(target, backend="hf").generate([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12)).token_ids
 

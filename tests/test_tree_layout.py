@@ -130,12 +130,16 @@ def test_choose_budget_follows_the_cost_curve():
     a = [0.7, 0.1, 0.05]
     flat = {1: 1.0, 128: 1.0}              # verification free: bigger trees always help
     steep = {1: 1.0, 2: 2.0, 128: 128.0}   # cost proportional to nodes: the smallest tree wins
-    assert choose_budget(a, flat).budget == 64
+    assert choose_budget(a, flat).budget == 63
     assert choose_budget(a, steep).budget == 1
     knee = {1: 1.0, 8: 1.05, 16: 1.1, 32: 2.0, 64: 4.0}  # free up to ~16 positions, like a CPU roofline
     choice = choose_budget(a, knee)
     assert 6 <= choice.budget <= 16
     assert max(r[3] for r in choice.table) == next(r[3] for r in choice.table if r[0] == choice.budget)
+    # exact mode pads every pass to 8 positions: up to 8 cost one pass, 9-16 two (a staircase)
+    stairs = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 2.0, 32: 4.0, 64: 8.0}
+    assert choose_budget(a, stairs).budget == 7  # root + 7 nodes fill one pass exactly
+    assert parse_tree("dynamic") == DynamicTree(budget=None)  # auto unless a budget is given
 
 
 def test_rank_acceptance_and_stats_by_rank():

@@ -44,7 +44,7 @@ def generate(
     compare: bool = typer.Option(False, "--compare", help="Also run plain decoding on the same input and print the speedup."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not stream the text, print only the statistics."),
     tree: Optional[str] = typer.Option(None, "--tree", help="Draft a tree instead of a chain: dynamic, static:<name> (chain4, small, medium, large, xl) or static:'[[0],[1],[0,0]]'."),
-    tree_budget: Optional[str] = typer.Option(None, "--tree-budget", help="Dynamic tree: nodes verified per step (default 16), or 'auto' to choose it from the measured verification cost."),
+    tree_budget: Optional[str] = typer.Option(None, "--tree-budget", help="Dynamic tree: nodes verified per step, or 'auto' (default) to choose it from the verification cost measured on this machine."),
     tree_topk: Optional[int] = typer.Option(None, "--tree-topk", help="Dynamic tree: children per expanded node and nodes expanded per depth (default 4)."),
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Maximum tree depth (dynamic default 6; cuts a static tree)."),
     backend: str = typer.Option("auto", "--backend", help="auto (fast path when the model family has one), hf (transformers) or fast."),
