@@ -117,6 +117,34 @@ def test_packed_eagle_head_drafts_like_its_parameters(tiny, plain_outputs, dtype
         assert engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW)).token_ids == expect
 
 
+def test_eagle_dynamic_tree_pruning_keeps_the_same_tree(tiny):
+    """Stopping the expansion once no deeper node can enter the budget changes the work, not the tree."""
+    from verispec.tree import DynamicTree
+
+    torch.manual_seed(0)
+    for seed, budget in ((1, 3), (2, 5), (3, 7), (4, 12)):
+        head = random_eagle(tiny, seed=seed)
+        with torch.no_grad():
+            head.lm_head.weight.mul_(0.05)  # flat drafts: weak frontiers, where pruning stops early
+        trees = []
+        for prune in (True, False):
+            d = EagleDrafter(head, tiny.vocab_size)
+            d.prune = prune
+            engine = Engine.for_model(tiny, d, backend="fast", tree=DynamicTree(budget=budget, topk=3, depth=5))
+            shapes = []
+            real = d.propose_tree
+
+            def spy(context, shape, real=real, shapes=shapes):
+                p = real(context, shape)
+                shapes.append((p.tokens.tolist(), list(p.parents)) if p is not None else None)
+                return p
+
+            d.propose_tree = spy
+            engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=12))
+            trees.append(shapes)
+        assert trees[0] == trees[1] and trees[0], (seed, budget)
+
+
 def test_greedy_exact_gemma3_eagle():
     target = loaded(tiny_gemma3(vocab=40, seed=2))
     for kind in ("eagle", "medusa"):

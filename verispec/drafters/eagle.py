@@ -248,6 +248,7 @@ class EagleDrafter(HeadDrafting):
         self.device, self.dtype = p.device, p.dtype
         self.d2t = head.d2t.to(self.device)
         self.params, self.generator = SamplingParams(), None
+        self.prune = True  # dynamic trees: stop expanding once no deeper node can be kept (same tree, less work)
         self.K = torch.zeros(head.n_kv, 0, head.head_dim, dtype=self.dtype, device=self.device)
         self.V = self.K.clone()
         self.reset()
@@ -404,17 +405,20 @@ class EagleDrafter(HeadDrafting):
             keep = sorted(where[p] for p in shape.paths if p in where)
         elif isinstance(shape, DynamicTree):
             frontier = add(self.children(self.head.logits(root), -1, 1.0, 1, shape.topk, False), root)
+            budget = shape.budget or 16
             for depth in range(2, shape.depth + 1):
                 grow = sorted(frontier, key=lambda c: -cands[c].score)[: shape.topk]
                 if not grow:
                     break
+                if self.prune and len(cands) >= budget and cands[grow[0]].score < sorted((c.score for c in cands), reverse=True)[budget - 1]:
+                    break  # a child scores at most its parent: nothing deeper can enter the `budget` best
                 expand(grow, depth - 1)
                 hs = torch.stack([out[c] for c in grow])
                 kids = self.top_children(self.head.logits(hs), grow, [cands[c].score for c in grow], depth, shape.topk)
                 frontier = []
                 for r, c in enumerate(grow):
                     frontier += add(kids[r], out[c])
-            keep = select_best(cands, shape.budget or 16)
+            keep = select_best(cands, budget)
         else:
             raise TypeError(f"unknown tree shape {shape!r}")
         return to_proposal(cands, keep, vocab=self.vocab) if keep else None

@@ -74,6 +74,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     from verispec.train.extract import FeatureSet, extract_features
     from verispec.train.loops import train_eagle, train_medusa
     from verispec.train.vocab import build_draft_vocab, coverage
+    from verispec.tree import DynamicTree
 
     _check(cfg)
     if cfg.threads:
@@ -158,7 +159,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         else:
             drafter = MedusaDrafter(module, target.vocab_size)
         fig = {}
-        for label, tree in (("chain", None), ("dynamic_tree", "dynamic")):
+        # a fixed budget: the figure measures the head, not this machine's choice of tree size
+        for label, tree in (("chain", None), ("dynamic_tree", DynamicTree(budget=16))):
             fig[label] = evaluate_tau(target, drafter, held, max_new_tokens=cfg.eval_tokens, draft_length=4, tree=tree,
                                       check_exact=(label == "chain"))
             log(f"held-out {label}: {json.dumps(fig[label])}")
