@@ -312,3 +312,16 @@ def test_real_model_chat_bench(smollm2):
     assert len(ar["turns"]) == 2 and all(t["new_tokens"] > 0 for t in ar["turns"])
     assert "assistant" in smollm2.tokenizer.decode(smollm2.encode(chat=[{"role": "user", "content": "hi"}]))
     assert set(res["summary"]) == {"ar", "ngram", "hf"}
+
+
+def test_a_broken_llama_cpp_install_counts_as_not_installed(monkeypatch):
+    """A llama_cpp that is found but fails to import (e.g. built without its dependencies) makes the
+    baseline 'not run', not a traceback in the middle of a bench."""
+    import importlib.util
+    import sys
+
+    from verispec.bench import baselines
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it raises ImportError
+    assert baselines.llamacpp_available() is False

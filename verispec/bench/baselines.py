@@ -137,7 +137,14 @@ class HFContender:
 
 
 def llamacpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+    """True when llama_cpp imports (a build with a missing dependency is 'not installed', not a crash)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure of a foreign package means the baseline cannot run
+        return False
+    return True
 
 
 class LlamaCppContender:
