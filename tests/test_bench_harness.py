@@ -156,6 +156,26 @@ def test_planted_mismatch_is_detected(chat_model, tmp_path):
     assert "LOSSLESS METHOD DIFFERS" in text
 
 
+def test_a_baseline_that_raises_is_reported_and_the_bench_goes_on(chat_model):
+    class Flaky(VerispecContender):
+        """A foreign baseline that works in warm-up and then fails on a real question."""
+
+        kind = "baseline"
+        calls = 0
+
+        def generate(self, prompt_ids, max_new_tokens):
+            Flaky.calls += 1
+            if Flaky.calls > 2:
+                raise ValueError("could not broadcast input array")
+            return super().generate(prompt_ids, max_new_tokens)
+
+    flaky = Flaky(chat_model, MethodSpec("ar", label="flaky"))
+    res = harness.run_bench(chat_model, ["ar", "ngram", flaky], two_questions(), max_new_tokens=8, progress=False)
+    assert "could not broadcast" in res["config"]["skipped_contenders"]["flaky"]
+    assert {r["method"] for r in res["runs"]} == {"ar", "ngram"} and "flaky" not in res["summary"]
+    assert len(res["runs"]) == 2 * len(res["questions"])
+
+
 def test_raw_prompt_mode_with_number_tokenizer(tmp_path):
     target = loaded(tiny_llama())
     jl = tmp_path / "q.jsonl"

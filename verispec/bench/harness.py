@@ -193,10 +193,21 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
     if not runnable:
         raise InvalidParameter("no question fits the model's context window with these settings")
 
+    def drop(c, exc: Exception) -> None:
+        """A foreign baseline that raises is reported as not run (with why), and the bench goes on;
+        a verispec method that raises is a bug and stops it."""
+        if getattr(c, "kind", "verispec") != "baseline":
+            raise exc
+        skipped[c.label] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+        contenders.remove(c)
+
     warm_ids = Conversation(target, chat).ask(runnable[0].turns[0])
-    for c in contenders:
-        for _ in range(warmup):
-            c.generate(warm_ids, min(max_new_tokens, 16))
+    for c in list(contenders):
+        try:
+            for _ in range(warmup):
+                c.generate(warm_ids, min(max_new_tokens, 16))
+        except Exception as exc:  # noqa: BLE001 - see drop()
+            drop(c, exc)
 
     from tqdm.auto import tqdm
 
@@ -208,14 +219,19 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
             bar.set_postfix_str(f"{q.category} #{q.question_id} {c.label}")
             conv = Conversation(target, chat)
             turns = []
-            for turn in q.turns:
-                ids = conv.ask(turn)
-                t0 = time.perf_counter()
-                out, stats = c.generate(ids, max_new_tokens)
-                elapsed = time.perf_counter() - t0
-                conv.answer(out)
-                turns.append({"prompt_tokens": len(ids), "new_tokens": len(out), "time_s": elapsed,
-                              "token_ids": out, "stats": stats})
+            try:
+                for turn in q.turns:
+                    ids = conv.ask(turn)
+                    t0 = time.perf_counter()
+                    out, stats = c.generate(ids, max_new_tokens)
+                    elapsed = time.perf_counter() - t0
+                    conv.answer(out)
+                    turns.append({"prompt_tokens": len(ids), "new_tokens": len(out), "time_s": elapsed,
+                                  "token_ids": out, "stats": stats})
+            except Exception as exc:  # noqa: BLE001 - see drop(): its earlier runs go too
+                drop(c, exc)
+                runs = [r for r in runs if r["method"] != c.label]
+                continue
             runs.append({"question_id": q.question_id, "category": q.category, "method": c.label,
                          "kind": getattr(c, "kind", "verispec"), "question_index": qi,
                          "new_tokens": sum(t["new_tokens"] for t in turns),
