@@ -147,7 +147,11 @@ def summarize(result: dict) -> dict:
     pts = result["points"]
     t1 = next(p["median_s"] for p in pts if p["n"] == 1)
     floor = result["weight_bytes"]["streamed"] / (result["bandwidth"]["gb_per_s"] * 1e9)
-    free = max((p["n"] for p in pts if p["median_s"] < FREE_FACTOR * t1), default=1)
+    free = 1  # the widest N such that it and every narrower width measured stay under the factor (a noisy
+    for p in sorted(pts, key=lambda p: p["n"]):  # wide point under it after a narrow one over it is not "free")
+        if p["median_s"] >= FREE_FACTOR * t1:
+            break
+        free = p["n"]
     for p in pts:
         p["ratio"] = p["median_s"] / t1
         p["per_position_s"] = p["median_s"] / p["n"]
