@@ -147,8 +147,10 @@ def summarize(result: dict) -> dict:
     pts = result["points"]
     t1 = next(p["median_s"] for p in pts if p["n"] == 1)
     floor = result["weight_bytes"]["streamed"] / (result["bandwidth"]["gb_per_s"] * 1e9)
-    free = 1  # the widest N such that it and every narrower width measured stay under the factor (a noisy
-    for p in sorted(pts, key=lambda p: p["n"]):  # wide point under it after a narrow one over it is not "free")
+    # the widest N with it and every narrower width under the factor: a noisy wide point under it
+    # after a narrow one over it is not "free"
+    free = 1
+    for p in sorted(pts, key=lambda p: p["n"]):
         if p["median_s"] >= FREE_FACTOR * t1:
             break
         free = p["n"]
