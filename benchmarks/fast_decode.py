@@ -3,7 +3,8 @@
 For each dtype it measures, on the same prompt and the same number of new tokens (greedy):
   * transformers `model.generate()`                       (the baseline of the issue)
   * our engine, plain decoding, on the hf backend          (HFRunner: transformers forward + DynamicCache)
-  * our engine, plain decoding, on the fast backend: eager, exact mode on and off, and torch.compile'd
+  * our engine, plain decoding, on the fast backend: eager, exact mode on (natural rows, and every layer
+    at 8 rows as before row_invariance.py) and off, and torch.compile'd
 and the cost of ONE forward over 1 and over 16 new positions after a 200-token context (the verification
 premise: 16 positions should cost little more than 1), plus the bandwidth floor (weight bytes / measured
 copy bandwidth). tok/s counts new tokens over the whole generation (prefill of a short prompt included).
@@ -105,14 +106,16 @@ def main() -> None:
 
         configs = [("engine hf backend", "hf", {}),
                    ("engine fast, eager, exact", "fast", {"exact": True}),
+                   ("engine fast, eager, exact, 8-row", "fast", {"exact": True, "natural_rows": False}),
                    ("engine fast, eager, not exact", "fast", {"exact": False})]
         if not args.no_compile:
             configs += [("engine fast, compiled, exact", "fast", {"exact": True, "compile": True}),
                         ("engine fast, compiled, not exact", "fast", {"exact": False, "compile": True})]
         for name, backend, opts in configs:
-            engine = build_engine(target, "ar", backend=backend, **opts)
+            engine = build_engine(target, "ar", backend=backend, **{k: v for k, v in opts.items() if k != "natural_rows"})
             if isinstance(engine.runner, FastRunner):
                 engine.runner.exact_bucket = args.exact_bucket
+                engine.runner.natural_rows = opts.get("natural_rows", True)  # False: every layer runs 8 rows
             t0 = time.perf_counter()
             engine.generate(ids, SamplingParams(max_new_tokens=4))  # warm: compiles the buckets it meets
             warm = time.perf_counter() - t0

@@ -24,8 +24,11 @@ the same shapes in plain decoding and in verification, and attention runs canoni
 computation (a tree node's ancestors sit at other slots than plain decoding put them; the fused
 attention kernels sum differently for that): greedy speculative output, chains and trees, is
 bit-identical to plain decoding, in bfloat16 too (eager mode; compiled mode keeps the fused kernel,
-so there only chains are). Its cost: plain decoding pays a forward over `exact_bucket` positions
-instead of one (see benchmarks/fast_decode.py for the figure on this machine). Turn it off with
+so there only chains are). Its cost: attention always runs `exact_bucket` query rows, and so do the
+projections and the LM head unless the model's linear kernels prove row-invariant at load
+(row_invariance.py: oneDNN's packed kernel here is, from 2 rows on), in which case they run the
+pass's natural row count, never below the probe's floor, so plain decoding computes 2 rows, not 8
+(`natural_rows`; benchmarks/fast_decode.py has the figures on this machine). Turn it off with
 FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). Prefill
 (last_only=True) is the same call in every method, so it runs in large chunks either way.
 """
@@ -75,6 +78,9 @@ class FastRunner:
         self.exact_setting = exact
         self.exact = True if exact is None else bool(exact)
         self.canonical = True  # exact mode's layout-independent attention (canonical.py); False: fused SDPA
+        # exact mode: where the linear kernels are row-invariant (row_invariance.py), run them at the pass's
+        # natural row count and pad only the attention; False: every layer runs exact_bucket rows
+        self.natural_rows = True
         self.headroom = max(max(self.buckets), exact_bucket, prefill_chunk)  # padding rows write past the end
         self.slots_total = _round_up(self.capacity + self.headroom, kv_block)
         self.device = self.net.device
@@ -217,14 +223,19 @@ class FastRunner:
                 mask[:take, tree_start:tree_start + width] = anc[c0:c1, :width]
                 mask[take:] = cols[None, :] <= slots[take:, None]  # padding rows: harmless causal rows
             canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start) if layout_free else None
+            n_rows = None  # exact mode with row-invariant linears: only attention runs all T rows
+            if layout_free and self.natural_rows:
+                floor = self.net.row_floor(T)
+                if floor is not None:
+                    n_rows = max(take, floor)
             if last_only:
                 rows = slice(take - 1, take) if c1 == n else slice(0, 0)
             else:
-                rows = slice(0, T) if exact_shape else slice(0, take)
+                rows = slice(0, n_rows or T) if exact_shape else slice(0, take)
             captured: list = []
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.k, self.v, rows=rows,
                                       compiled=compiled, capture=self.feature_layers, captured=captured,
-                                      canon=canon)
+                                      canon=canon, n_rows=n_rows)
             if self.feature_layers:
                 got = dict(captured)
                 feats.append(torch.cat([got[i][:take] for i in self.feature_layers], dim=-1))

@@ -1,0 +1,58 @@
+"""Does a linear kernel give a row the same bits whatever number of rows shares the call? A probe.
+
+Why. Exact mode (runner.py) makes a position's logits independent of how many positions share its
+pass. GEMM libraries pick kernels by the row count M and some of them sum a row's products in an
+order that depends on M, so the safe answer is to run every pass at one fixed row count, which makes
+plain decoding pay for 8 rows. But that is a property of the kernel, and it can be measured: on this
+project's CPU (torch 2.13, AVX-512 with bf16 dot products, 1 and 2 threads, measured 2026-12-03)
+oneDNN's prepacked linear returned, for SmolLM2-135M's five weight shapes, bit-identical rows for
+every M from 1 to 64 in bfloat16, and for every M from 2 on in float32 (a 1-row float32 call with
+K = 1536 takes another path). Where the probe finds such a floor, exact mode runs the projections and
+the LM head at the pass's natural row count (never below the floor) and pads only the attention.
+
+The probe runs weights of the model's shapes at every M up to `max_rows` against one `max_rows`-row
+call. Random inputs are not enough in bfloat16: two summation orders differ by an ulp of the float32
+accumulator, which the rounding to a bfloat16 output hides except about once in 2^16 outputs (random
+inputs passed at every M; the model's own activations did not at M = 1, K = 1536). So each probe row
+cancels: its second half is the negated first half against duplicated weight columns, the exact
+result is zero and what comes out is the rounding residue of the summation order, visible in any
+dtype. GEMM kernels choose their order by shape, not by data, so the answer holds for the model's
+activations; tests/test_fast.py checks the consequence (bit-identical logits) on the real models.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+
+def _cancelling(rows: int, out_f: int, in_f: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    h = in_f // 2
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    w[:, h:2 * h] = w[:, :h]
+    x = torch.randn(rows, in_f, generator=g) * torch.exp(2 * torch.randn(rows, in_f, generator=g))
+    x[:, h:2 * h] = -x[:, :h]
+    x[:, 2 * h:] = 0
+    return x, w
+
+
+@torch.inference_mode()
+def row_floor(pack: Callable, linear: Callable, shapes: Iterable[tuple[int, int]], max_rows: int,
+              dtype: torch.dtype, device: torch.device, seed: int = 0) -> int | None:
+    """The smallest m such that, for a weight of every [out, in] shape (prepared by `pack`),
+    linear(x[:M], w) equals linear(x, w)[:M] bit for bit for every M in m..max_rows (x of max_rows
+    cancelling rows); None if even M = max_rows - 1 differs."""
+    g = torch.Generator().manual_seed(seed)
+    floor = 1
+    for out_f, in_f in dict.fromkeys(shapes):
+        x, w = _cancelling(max_rows, out_f, in_f, g)
+        x, w = x.to(device=device, dtype=dtype), pack(w.to(device=device, dtype=dtype))
+        ref = linear(x, w)
+        for m in range(max_rows - 1, floor - 1, -1):  # from the top: the floor is where agreement stops
+            if not torch.equal(linear(x[:m], w), ref[:m]):
+                floor = m + 1
+                break
+        if floor >= max_rows:
+            return None
+    return floor
