@@ -38,6 +38,21 @@ def test_the_probe_finds_the_row_count_a_kernel_changes_at():
         assert row_floor(ident, _reversed_below(8), SHAPES, 8, dtype, torch.device("cpu")) is None
 
 
+def test_the_attention_probe_finds_a_row_dependent_attention(monkeypatch):
+    from verispec.fast import canonical
+    from verispec.fast.row_invariance import attention_row_floor
+
+    cpu = torch.device("cpu")
+    assert attention_row_floor(4, 2, 16, 8, (16, 32), torch.float32, cpu) is not None
+    real = canonical.attention
+
+    def fewer_rows_otherwise(q, k, v, bias, scale, plan):  # another rounding below 5 rows
+        out = real(q, k, v, bias, scale, plan)
+        return out * (1 + 2 ** -20) if q.shape[1] < 5 else out
+    monkeypatch.setattr(canonical, "attention", fewer_rows_otherwise)
+    assert attention_row_floor(4, 2, 16, 8, (16, 32), torch.float32, cpu) == 5
+
+
 def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_llama(layers=3, hidden=64).to(dtype)
@@ -47,18 +62,19 @@ def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):
             runner = FastRunner(model, capacity=128, exact=True, exact_bucket=8)
             runner.natural_rows = natural
             if natural:
-                floor = runner.net.row_floor(8)
-                monkeypatch.setattr(runner.net, "row_floor", lambda n, f=floor: f)
+                floor = runner.net.row_floor(8, runner.kv_block)
                 real = runner.net.forward
 
-                def spy(*a, n_rows=None, **k):
-                    seen.append(n_rows)
-                    return real(*a, n_rows=n_rows, **k)
+                def spy(ids, *a, **k):
+                    seen.append(int(ids.numel()))
+                    return real(ids, *a, **k)
                 monkeypatch.setattr(runner.net, "forward", spy)
             runner.forward(ids[:10], last_only=True)
             out.append(torch.cat([runner.forward(ids[a:b]) for a, b in ((10, 11), (11, 14), (14, 15), (15, 40))]))
         assert torch.equal(out[0], out[1]), dtype
-        # oneDNN's packed linear on this project's CPUs passes the probe; elsewhere 8-row passes stay
+        # oneDNN's packed linear and canonical attention pass the probes on this project's CPUs; where they
+        # do not, passes keep exact_bucket rows
         assert floor is not None or not runner.net.packed
-        if floor is not None:  # a 1-token pass computes max(1, floor) rows, not 8
-            assert seen[1] == max(1, floor) and seen[2] == max(3, floor)
+        if floor is not None:  # a 1-token pass runs max(1, floor) rows, not 8
+            f = max(1, floor)
+            assert seen == [10, f, max(3, f), f, 8, 8, 8, f]

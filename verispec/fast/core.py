@@ -93,10 +93,7 @@ def layer_step(x: torch.Tensor, w: dict, k_cache: torch.Tensor, v_cache: torch.T
     keys, values = k_cache[:, :L], v_cache[:, :L]
     qh = q.transpose(0, 1).to(k_cache.dtype)  # [H, T, hd]
     if canon is not None:
-        rows = canon.tail_cols.shape[0]  # the pass's fixed row count; fewer computed rows get zero queries
-        if rows > T:
-            qh = torch.cat([qh, qh.new_zeros(qh.shape[0], rows - T, hd)], dim=1)
-        o = canonical.attention(qh, k_cache, v_cache, mask, a.scale, canon)[:, :T].to(x.dtype)
+        o = canonical.attention(qh, k_cache, v_cache, mask, a.scale, canon).to(x.dtype)
     else:
         o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask[None, None],
                                            scale=a.scale, enable_gqa=a.n_heads != a.n_kv_heads)[0].to(x.dtype)

@@ -34,7 +34,7 @@ class FastDecoder:
         self.packed = self.linear is not F.linear
         self._pack = pack
         self._probe_shapes = [tuple(layers[0][k].shape) for k in PROJECTIONS] + [tuple(lm_head.shape)]
-        self._row_floors: dict[tuple[int, int], int | None] = {}
+        self._row_floors: dict[tuple[int, int, int], int | None] = {}
         layers = [{k: pack(t) if k in PROJECTIONS else t for k, t in lw.items()} for lw in layers]
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, pack(lm_head)
         self.windows, self.rope_keys, self.ropes = windows, rope_keys, ropes
@@ -60,13 +60,16 @@ class FastDecoder:
         v = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
         return k, v
 
-    def row_floor(self, max_rows: int) -> int | None:
-        """The fewest rows from which this model's projections and LM head give every row the same bits
-        at any row count up to max_rows (row_invariance.py; probed once per max_rows), or None."""
-        key = (max_rows, torch.get_num_threads())  # the kernels' split of the work may follow the thread count
+    def row_floor(self, max_rows: int, kv_block: int) -> int | None:
+        """The fewest rows from which an exact-mode pass gives every row the same bits at any row count up
+        to max_rows: the projections, the LM head and canonical attention over one and two kv blocks
+        (row_invariance.py; probed once per setting), or None."""
+        key = (max_rows, kv_block, torch.get_num_threads())  # the kernels' split of the work may follow the thread count
         if key not in self._row_floors:
-            self._row_floors[key] = row_invariance.row_floor(self._pack, self.linear, self._probe_shapes, max_rows,
-                                                                 self.dtype, self.device)
+            lin = row_invariance.row_floor(self._pack, self.linear, self._probe_shapes, max_rows, self.dtype, self.device)
+            att = row_invariance.attention_row_floor(self.arch.n_heads, self.arch.n_kv_heads, self.arch.head_dim,
+                                                     max_rows, (kv_block, 2 * kv_block), self.cache_dtype, self.device)
+            self._row_floors[key] = None if lin is None or att is None else max(lin, att)
         return self._row_floors[key]
 
     def compiled_step(self):
@@ -84,24 +87,21 @@ class FastDecoder:
                 slot_pos: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                 rows: torch.Tensor | slice | None = None, compiled: bool = False,
                 capture: tuple[int, ...] | None = None, captured: list | None = None,
-                canon=None, n_rows: int | None = None) -> torch.Tensor:
+                canon=None) -> torch.Tensor:
         """ids/pos/slots [T], mask [T, L] (causal or tree, before sliding windows), slot_pos [S] the
         position id held by each cache slot (already updated for `slots`) -> logits [rows, V] float32.
 
         capture: hidden-state indices (transformers' numbering: i = output of layer i - 1, n_layers = the
         final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features).
         canon: a canonical.Canon plan (eager exact mode); `mask` is then over canonical columns, where
-        column c holds position c.
-        n_rows: compute only the first n_rows tokens (exact mode with row-invariant linears): mask and
-        canon still cover all T rows, so attention runs at the pass's fixed row count, padded with zero
-        queries; rows then counts within the n_rows."""
+        column c holds position c."""
         step = self.compiled_step() if compiled else self._step
         if compiled:  # the attended length grows in kv blocks: one graph for every length
             torch._dynamo.maybe_mark_dynamic(mask, 1)  # "maybe": L may equal the whole allocation
-        x = F.embedding(ids if n_rows is None else ids[:n_rows], self.embed)
+        x = F.embedding(ids, self.embed)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale).to(self.dtype)  # float32 scalar cast, as transformers does
-        tables = {key: rope_tables(pos[:x.shape[0]], inv, scaling, self.dtype) for key, (inv, scaling) in self.ropes.items()}
+        tables = {key: rope_tables(pos, inv, scaling, self.dtype) for key, (inv, scaling) in self.ropes.items()}
         masks: dict[int | None, torch.Tensor] = {None: mask}
         L = mask.shape[-1]
         key_pos = slot_pos[:L] if canon is None else torch.arange(L, device=mask.device)
@@ -113,7 +113,7 @@ class FastDecoder:
             masks = {key: canonical.bias(m, g) for key, m in masks.items()}
         for i, lw in enumerate(self.layers):
             cos, sin = tables[self.rope_keys[i]]
-            x = step(x, lw, k_cache[i], v_cache[i], slots[:x.shape[0]], cos, sin, masks[self.windows[i]], canon=canon)
+            x = step(x, lw, k_cache[i], v_cache[i], slots, cos, sin, masks[self.windows[i]], canon=canon)
             if capture and i + 1 in capture and i + 1 < len(self.layers):
                 captured.append((i + 1, x))
         if capture and len(self.layers) in capture:

@@ -1,4 +1,4 @@
-"""Does a linear kernel give a row the same bits whatever number of rows shares the call? A probe.
+"""Do the kernels of a pass give a row the same bits whatever number of rows shares the call? Probes.
 
 Why. Exact mode (runner.py) makes a position's logits independent of how many positions share its
 pass. GEMM libraries pick kernels by the row count M and some of them sum a row's products in an
@@ -8,7 +8,10 @@ project's CPU (torch 2.13, AVX-512 with bf16 dot products, 1 and 2 threads, meas
 oneDNN's prepacked linear returned, for SmolLM2-135M's five weight shapes, bit-identical rows for
 every M from 1 to 64 in bfloat16, and for every M from 2 on in float32 (a 1-row float32 call with
 K = 1536 takes another path). Where the probe finds such a floor, exact mode runs the projections and
-the LM head at the pass's natural row count (never below the floor) and pads only the attention.
+the LM head at the pass's natural row count (never below the floor). Canonical attention
+(canonical.py) is probed alike: its score and value products are batched GEMMs whose row count is
+the pass's (measured here: rows agree from 2 on, a 1-row pass differs), so a pass runs
+max(its tokens, the larger floor) rows.
 
 The probe runs weights of the model's shapes at every M up to `max_rows` against one `max_rows`-row
 call. Random inputs are not enough in bfloat16: two summation orders differ by an ulp of the float32
@@ -55,4 +58,36 @@ def row_floor(pack: Callable, linear: Callable, shapes: Iterable[tuple[int, int]
                 break
         if floor >= max_rows:
             return None
+    return floor
+
+
+@torch.inference_mode()
+def attention_row_floor(n_heads: int, n_kv_heads: int, head_dim: int, max_rows: int, lengths: Iterable[int],
+                        dtype: torch.dtype, device: torch.device, seed: int = 0) -> int | None:
+    """As row_floor, for canonical attention: a chain pass of M rows at positions p..p + M - 1 against
+    the same rows of a max_rows-row pass, over each attended length L in `lengths` (a position early
+    in L and one past the first cut of the value sum); float32 outputs show any other summation."""
+    from verispec.fast import canonical
+
+    g = torch.Generator().manual_seed(seed)
+    floor = 1
+    for L in lengths:
+        k = torch.randn(n_kv_heads, L, head_dim, generator=g).to(device=device, dtype=dtype)
+        v = torch.randn(n_kv_heads, L, head_dim, generator=g).to(device=device, dtype=dtype)
+        q = torch.randn(n_heads, max_rows, head_dim, generator=g).to(device=device, dtype=dtype)
+        for p0 in (max(0, L // 2 - 2 * canonical.CUT), L - max_rows):
+            pos = torch.arange(p0, p0 + max_rows, device=device)
+            mask = torch.arange(L, device=device)[None, :] <= pos[:, None]
+
+            def run(m):
+                plan = canonical.plan(pos[:m], L, None)
+                return canonical.attention(q[:, :m].contiguous(), k, v, canonical.bias(mask[:m], n_heads // n_kv_heads),
+                                           head_dim ** -0.5, plan)
+            ref = run(max_rows)
+            for m in range(max_rows - 1, floor - 1, -1):
+                if not torch.equal(run(m), ref[:, :m]):
+                    floor = m + 1
+                    break
+            if floor >= max_rows:
+                return None
     return floor

@@ -24,11 +24,11 @@ the same shapes in plain decoding and in verification, and attention runs canoni
 computation (a tree node's ancestors sit at other slots than plain decoding put them; the fused
 attention kernels sum differently for that): greedy speculative output, chains and trees, is
 bit-identical to plain decoding, in bfloat16 too (eager mode; compiled mode keeps the fused kernel,
-so there only chains are). Its cost: attention always runs `exact_bucket` query rows, and so do the
-projections and the LM head unless the model's linear kernels prove row-invariant at load
-(row_invariance.py: oneDNN's packed kernel here is, from 2 rows on), in which case they run the
-pass's natural row count, never below the probe's floor, so plain decoding computes 2 rows, not 8
-(`natural_rows`; benchmarks/fast_decode.py has the figures on this machine). Turn it off with
+so there only chains are). Its cost: every pass runs `exact_bucket` rows, unless the kernels prove
+row-invariant at load (row_invariance.py probes the projections, the LM head and canonical attention;
+here all are from 2 rows on), in which case a pass runs its natural row count, never below the
+probe's floor: plain decoding computes 2 rows, not 8 (`natural_rows`), and canonical attention
+costs more than the fused kernel (benchmarks/fast_decode.py has the figures). Turn it off with
 FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). Prefill
 (last_only=True) is the same call in every method, so it runs in large chunks either way.
 """
@@ -78,8 +78,8 @@ class FastRunner:
         self.exact_setting = exact
         self.exact = True if exact is None else bool(exact)
         self.canonical = True  # exact mode's layout-independent attention (canonical.py); False: fused SDPA
-        # exact mode: where the linear kernels are row-invariant (row_invariance.py), run them at the pass's
-        # natural row count and pad only the attention; False: every layer runs exact_bucket rows
+        # exact mode: where the kernels are row-invariant (row_invariance.py), passes run their natural row
+        # count (never below the probe's floor); False: every pass runs exact_bucket rows
         self.natural_rows = True
         self.headroom = max(max(self.buckets), exact_bucket, prefill_chunk)  # padding rows write past the end
         self.slots_total = _round_up(self.capacity + self.headroom, kv_block)
@@ -198,6 +198,11 @@ class FastRunner:
             first = base + c0  # first slot of this pass
             exact_shape = self.exact and not last_only
             compiled = self.compile and not last_only
+            layout_free = exact_shape and not compiled and self.canonical  # canonical.py: trees exact too
+            if layout_free and self.natural_rows:  # row-invariant kernels: the natural row count, not the bucket
+                floor = self.net.row_floor(T, self.kv_block)
+                if floor is not None:
+                    T = max(take, floor)
             L = min(self.allocated, _round_up(first + T, self.kv_block))
             slots = torch.arange(first, first + T, device=dev)
             pos = torch.empty(T, dtype=torch.long, device=dev)
@@ -207,7 +212,6 @@ class FastRunner:
             tok[:take] = ids[c0:c1]
             self.slot_pos[first:first + T] = pos
             cols = torch.arange(L, device=dev)
-            layout_free = exact_shape and not compiled and self.canonical  # canonical.py: trees exact too
             order = None  # canonical column -> slot; None: a chain, whose slots are its positions
             if anc is None:  # chain: causal over slots
                 mask = cols[None, :] <= slots[:, None]
@@ -223,19 +227,14 @@ class FastRunner:
                 mask[:take, tree_start:tree_start + width] = anc[c0:c1, :width]
                 mask[take:] = cols[None, :] <= slots[take:, None]  # padding rows: harmless causal rows
             canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start) if layout_free else None
-            n_rows = None  # exact mode with row-invariant linears: only attention runs all T rows
-            if layout_free and self.natural_rows:
-                floor = self.net.row_floor(T)
-                if floor is not None:
-                    n_rows = max(take, floor)
             if last_only:
                 rows = slice(take - 1, take) if c1 == n else slice(0, 0)
             else:
-                rows = slice(0, n_rows or T) if exact_shape else slice(0, take)
+                rows = slice(0, T) if exact_shape else slice(0, take)
             captured: list = []
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.k, self.v, rows=rows,
                                       compiled=compiled, capture=self.feature_layers, captured=captured,
-                                      canon=canon, n_rows=n_rows)
+                                      canon=canon)
             if self.feature_layers:
                 got = dict(captured)
                 feats.append(torch.cat([got[i][:take] for i in self.feature_layers], dim=-1))
