@@ -258,9 +258,9 @@ class DynamicTree:
     with its `topk` best children), up to `depth`, then keep the `budget` best nodes.
 
     budget None means "auto" (the default): chosen per step by the engine from the verification cost
-    curve, because the best size is a property of the hardware and of the runner's mode: on this
-    project's CPU in exact mode a pass runs 8 positions, so 8 positions cost what 1 does and 17 cost
-    three passes (measured 2026-12-03, EAGLE on Spec-Bench: budget 7 1.01x, 15 0.67x, 16 0.50x).
+    curve, because the best size is a property of the hardware and of the runner's mode: when exact
+    mode ran every pass at 8 rows, 8 positions cost what 1 did and 17 cost three passes (measured
+    2026-12-03, EAGLE on Spec-Bench: budget 7 1.01x, 15 0.67x, 16 0.50x).
     """
 
     budget: int | None = None
@@ -421,8 +421,8 @@ def choose_budget(rank_accept: Sequence[float], cost: Mapping[int, float],
     plus the drafting cost (seconds, constant or a function of N).
 
     The default budgets are the sizes `measure_verify_cost` measures less the root, so each is priced
-    by a measurement, not by interpolation: a runner that pads passes to a fixed bucket (exact mode)
-    has a staircase cost curve, and a straight line between 8 and 16 positions would price 9 as
+    by a measurement, not by interpolation: a runner that pads passes to a fixed bucket (exact mode
+    where the kernels are not row-invariant) has a staircase cost curve, and a straight line between 8 and 16 positions would price 9 as
     cheaper than it is.
     """
     rows = []

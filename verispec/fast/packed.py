@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-# the batch size oneDNN tunes the layout for: exact mode runs 8-row passes (benchmarks/fast_decode.py)
+# the batch size oneDNN tunes the layout for: verification passes run a few to 8 rows (benchmarks/fast_decode.py)
 PACK_BATCH = 8
 
 
