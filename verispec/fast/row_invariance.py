@@ -6,9 +6,9 @@ order that depends on M, so the safe answer is to run every pass at one fixed ro
 plain decoding pay for 8 rows. But that is a property of the kernel, and it can be measured: on this
 project's CPU (torch 2.13, AVX-512 with bf16 dot products, 1 and 2 threads, measured 2026-12-03)
 oneDNN's prepacked linear returned, for SmolLM2-135M's five weight shapes, bit-identical rows for
-every M from 1 to 64 in bfloat16, and for every M from 2 on in float32 (a 1-row float32 call with
-K = 1536 takes another path). Where the probe finds such a floor, exact mode runs the projections and
-the LM head at the pass's natural row count (never below the floor). Canonical attention
+every M from 2 to 64, in bfloat16 and float32 alike (a 1-row call with K = 1536 takes another path).
+Where the probe finds such a floor, exact mode runs the projections and the LM head at the pass's
+natural row count (never below the floor). Canonical attention
 (canonical.py) is probed alike: its score and value products are batched GEMMs whose row count is
 the pass's (measured here: rows agree from 2 on, a 1-row pass differs), so a pass runs
 max(its tokens, the larger floor) rows.
@@ -20,7 +20,8 @@ inputs passed at every M; the model's own activations did not at M = 1, K = 1536
 cancels: its second half is the negated first half against duplicated weight columns, the exact
 result is zero and what comes out is the rounding residue of the summation order, visible in any
 dtype. GEMM kernels choose their order by shape, not by data, so the answer holds for the model's
-activations; tests/test_fast.py checks the consequence (bit-identical logits) on the real models.
+activations; tests/test_fast_real.py checks the consequence (bit-identical greedy output with every
+drafter) on the real model, tests/test_row_invariance.py that the probes catch row-dependent kernels.
 """
 
 from __future__ import annotations
