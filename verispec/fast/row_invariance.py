@@ -41,6 +41,16 @@ def _cancelling(rows: int, out_f: int, in_f: int, g: torch.Generator) -> tuple[t
     return x, w
 
 
+def _raise_floor(floor: int, max_rows: int, rows_of: Callable[[int], torch.Tensor]) -> int:
+    """floor raised past the largest M >= floor whose call rows_of(M) differs from rows_of(max_rows)[:M]
+    (rows_of returns the M rows with the row index first)."""
+    ref = rows_of(max_rows)
+    for m in range(max_rows - 1, floor - 1, -1):  # from the top: the floor is where agreement stops
+        if not torch.equal(rows_of(m), ref[:m]):
+            return m + 1
+    return floor
+
+
 @torch.inference_mode()
 def row_floor(pack: Callable, linear: Callable, shapes: Iterable[tuple[int, int]], max_rows: int,
               dtype: torch.dtype, device: torch.device, seed: int = 0) -> int | None:
@@ -52,11 +62,7 @@ def row_floor(pack: Callable, linear: Callable, shapes: Iterable[tuple[int, int]
     for out_f, in_f in dict.fromkeys(shapes):
         x, w = _cancelling(max_rows, out_f, in_f, g)
         x, w = x.to(device=device, dtype=dtype), pack(w.to(device=device, dtype=dtype))
-        ref = linear(x, w)
-        for m in range(max_rows - 1, floor - 1, -1):  # from the top: the floor is where agreement stops
-            if not torch.equal(linear(x[:m], w), ref[:m]):
-                floor = m + 1
-                break
+        floor = _raise_floor(floor, max_rows, lambda m: linear(x[:m], w))
         if floor >= max_rows:
             return None
     return floor
@@ -80,15 +86,12 @@ def attention_row_floor(n_heads: int, n_kv_heads: int, head_dim: int, max_rows: 
             pos = torch.arange(p0, p0 + max_rows, device=device)
             mask = torch.arange(L, device=device)[None, :] <= pos[:, None]
 
-            def run(m):
+            def rows_of(m):  # [H, M, D] -> [M, H, D]: rows first
                 plan = canonical.plan(pos[:m], L, None)
-                return canonical.attention(q[:, :m].contiguous(), k, v, canonical.bias(mask[:m], n_heads // n_kv_heads),
-                                           head_dim ** -0.5, plan)
-            ref = run(max_rows)
-            for m in range(max_rows - 1, floor - 1, -1):
-                if not torch.equal(run(m), ref[:, :m]):
-                    floor = m + 1
-                    break
+                out = canonical.attention(q[:, :m].contiguous(), k, v, canonical.bias(mask[:m], n_heads // n_kv_heads),
+                                          head_dim ** -0.5, plan)
+                return out.transpose(0, 1)
+            floor = _raise_floor(floor, max_rows, rows_of)
             if floor >= max_rows:
                 return None
     return floor
