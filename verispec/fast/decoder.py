@@ -56,12 +56,12 @@ class FastDecoder:
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def new_cache(self, slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def new_cache(self, slots: int) -> list[torch.Tensor]:
+        """One [2 * kv_heads, slots, head_dim] tensor per layer: keys in rows :kv_heads, values after, so
+        a pass writes both with one copy."""
         a = self.arch
-        shape = (a.n_kv_heads, slots, a.head_dim)
-        k = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
-        v = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
-        return k, v
+        shape = (2 * a.n_kv_heads, slots, a.head_dim)
+        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
 
     def row_floor(self, max_rows: int, kv_block: int) -> int | None:
         """The fewest rows from which an exact-mode pass gives every row the same bits at any row count up
@@ -90,12 +90,13 @@ class FastDecoder:
         return self._compiled
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-                slot_pos: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                slot_pos: torch.Tensor, kv: list[torch.Tensor],
                 rows: torch.Tensor | slice | None = None, compiled: bool = False,
                 capture: tuple[int, ...] | None = None, captured: list | None = None,
                 canon=None) -> torch.Tensor:
         """ids/pos/slots [T], mask [T, L] (causal or tree, before sliding windows), slot_pos [S] the
-        position id held by each cache slot (already updated for `slots`) -> logits [rows, V] float32.
+        position id held by each cache slot (already updated for `slots`), kv the caches of new_cache ->
+        logits [rows, V] float32.
 
         capture: hidden-state indices (transformers' numbering: i = output of layer i - 1, n_layers = the
         final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features).
@@ -117,9 +118,12 @@ class FastDecoder:
         if canon is not None:
             g = self.arch.n_heads // self.arch.n_kv_heads
             masks = {key: canonical.bias(m, g) for key, m in masks.items()}
+        else:  # additive, once per pass: a boolean mask is converted inside every layer's attention call
+            masks = {key: torch.zeros(m.shape, dtype=self.cache_dtype, device=m.device).masked_fill_(~m, float("-inf"))
+                     for key, m in masks.items()}
         for i, lw in enumerate(self.layers):
             cos, sin = tables[self.rope_keys[i]]
-            x = step(x, lw, k_cache[i], v_cache[i], slots, cos, sin, masks[self.windows[i]], canon=canon)
+            x = step(x, lw, kv[i], slots, cos, sin, masks[self.windows[i]], canon=canon)
             if capture and i + 1 in capture and i + 1 < len(self.layers):
                 captured.append((i + 1, x))
         if capture and len(self.layers) in capture:

@@ -40,7 +40,7 @@ class FastGemma3(FastDecoder):
         cfg, base = model.config, model.model
         arch = Arch(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                     eps=float(cfg.rms_norm_eps), scale=float(cfg.query_pre_attn_scalar) ** -0.5,
-                    act=ACT2FN[cfg.hidden_activation], gemma_norm=True, sandwich=True, qk_norm=True)
+                    act=ACT2FN[cfg.hidden_activation].forward, gemma_norm=True, sandwich=True, qk_norm=True)
         types = list(cfg.layer_types[: cfg.num_hidden_layers])
         layers = []
         for layer in base.layers[: cfg.num_hidden_layers]:

@@ -54,7 +54,7 @@ class FastLlama(FastDecoder):
         first = base.layers[0].self_attn
         arch = Arch(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                     eps=float(cfg.rms_norm_eps), scale=float(getattr(first, "scaling", head_dim ** -0.5)),
-                    act=ACT2FN[cfg.hidden_act], qk_norm=hasattr(first, "q_norm"))
+                    act=ACT2FN[cfg.hidden_act].forward, qk_norm=hasattr(first, "q_norm"))
         layers = []
         for layer in base.layers[: cfg.num_hidden_layers]:
             att, mlp = layer.self_attn, layer.mlp
