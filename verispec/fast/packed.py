@@ -22,10 +22,24 @@ import torch.nn.functional as F
 
 # the batch size oneDNN tunes the layout for: verification passes run a few to 8 rows (benchmarks/fast_decode.py)
 PACK_BATCH = 8
+# calls with fewer rows are padded to this many: oneDNN's 1- and 2-row kernels read a packed weight
+# slower than its 4-row one (measured 2026-12-03, SmolLM2's 121 decode-step weights, best of 5, bf16:
+# 13.6 ms at 1 row, 15.5 at 2, 12.2 at 4; per weight, the 3072 x 576 MLP one 186 / 197 / 157 us and the
+# LM head 2.29 / 2.37 / 1.76 ms; float32 alike), and a few more rows of arithmetic cost nothing there
+MIN_ROWS = 4
+
+
+def _raw_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    """x [M, in] -> [M, out]; M below MIN_ROWS runs as MIN_ROWS rows (zero rows, thrown away), so a
+    row's bits are those of the 4-row kernel whatever M is (row_invariance.py sees this function)."""
+    m = x.shape[0]
+    if m >= MIN_ROWS:
+        return _raw_linear(x, w, b)
+    return _raw_linear(F.pad(x, (0, 0, 0, MIN_ROWS - m)), w, b)[:m]
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
