@@ -7,7 +7,8 @@ For each dtype it measures, on the same prompt and the same number of new tokens
     at 8 rows as before row_invariance.py) and off, and torch.compile'd
 and the cost of ONE forward over 1 and over 16 new positions after a 200-token context (the verification
 premise: 16 positions should cost little more than 1), plus the bandwidth floor (weight bytes / measured
-copy bandwidth). tok/s counts new tokens over the whole generation (prefill of a short prompt included).
+copy bandwidth). tok/s counts new tokens over the whole generation (prefill of a short prompt included). Every figure
+is the median of --rounds rounds that each measure every configuration once, side by side.
 
     .venv/bin/python benchmarks/fast_decode.py --model smollm2-135m --tokens 64
     .venv/bin/python benchmarks/fast_decode.py --dtypes bfloat16 --no-compile --threads 1
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--repeat", type=int, default=5, help="repeats of each single-forward timing")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all configurations; figures are medians")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave the default)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (compiling takes minutes)")
     ap.add_argument("--exact-bucket", type=int, default=8)
@@ -101,8 +103,11 @@ def main() -> None:
         gen_kwargs = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
         with torch.inference_mode():
             model.generate(x, max_new_tokens=2, do_sample=False)  # warm
-            t = _timed(lambda: model.generate(x, **gen_kwargs))
-        report("transformers generate()", args.tokens / t)
+
+        def hf_generate() -> float:
+            with torch.inference_mode():
+                t = _timed(lambda: model.generate(x, **gen_kwargs))
+            return args.tokens / t
 
         configs = [("engine hf backend", "hf", {}),
                    ("engine fast, eager, exact", "fast", {"exact": True}),
@@ -111,6 +116,7 @@ def main() -> None:
         if not args.no_compile:
             configs += [("engine fast, compiled, exact", "fast", {"exact": True, "compile": True}),
                         ("engine fast, compiled, not exact", "fast", {"exact": False, "compile": True})]
+        engines, warm = {}, {}
         for name, backend, opts in configs:
             engine = build_engine(target, "ar", backend=backend, **{k: v for k, v in opts.items() if k != "natural_rows"})
             if isinstance(engine.runner, FastRunner):
@@ -118,15 +124,25 @@ def main() -> None:
                 engine.runner.natural_rows = opts.get("natural_rows", True)  # False: every layer runs 8 rows
             t0 = time.perf_counter()
             engine.generate(ids, SamplingParams(max_new_tokens=4))  # warm: compiles the buckets it meets
-            warm = time.perf_counter() - t0
-            gen = engine.generate(ids, params)
-            tok_s = gen.stats.new_tokens / gen.stats.total_time
-            runner = engine.runner
-            if isinstance(runner, FastRunner):
-                runner.exact = bool(opts.get("exact"))
-            f1 = forward_cost(runner, ctx, 1, args.repeat)
-            f16 = forward_cost(runner, ctx, 16, args.repeat)
-            report(name, tok_s, f1, f16, note=f"(first call {warm:.1f} s)" if opts.get("compile") else "")
+            warm[name] = time.perf_counter() - t0
+            engines[name] = engine
+        # every configuration once per round, rounds interleaved: the machine's speed drifts by tens of
+        # percent over minutes, so each figure is the median over rounds measured side by side
+        seen: dict[str, list[tuple]] = {name: [] for name in ["transformers generate()", *engines]}
+        for _ in range(args.rounds):
+            seen["transformers generate()"].append((hf_generate(), None, None))
+            for name, backend, opts in configs:
+                engine = engines[name]
+                gen = engine.generate(ids, params)
+                runner = engine.runner
+                if isinstance(runner, FastRunner):
+                    runner.exact = bool(opts.get("exact"))
+                seen[name].append((gen.stats.new_tokens / gen.stats.total_time,
+                                   forward_cost(runner, ctx, 1, args.repeat), forward_cost(runner, ctx, 16, args.repeat)))
+        for name, got in seen.items():
+            tok_s, f1, f16 = (statistics.median(v) if v[0] is not None else None for v in zip(*got))
+            compiled = name in warm and "compiled" in name
+            report(name, tok_s, f1, f16, note=f"(first call {warm[name]:.1f} s)" if compiled else "")
         del target, model
     if args.json:
         with open(args.json, "w") as fh:

@@ -107,7 +107,7 @@ def test_logits_match_transformers(family, exact):
     torch.manual_seed(1)
     ids = torch.randint(0, 32, (40,))  # longer than every sliding window above
     ref = _reference(model, ids)
-    runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4)
+    runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4, exact_max_rows=4)
     last = runner.forward(ids[:17], last_only=True)  # prefill
     assert last.shape == (1, 32)
     steps = [runner.forward(ids[17:18]), runner.forward(ids[18:27]), runner.forward(ids[27:])]  # 9 > bucket: chunked
@@ -179,7 +179,7 @@ def test_tree_logits_equal_each_path_alone_and_compact(family, exact):
     prefix = torch.randint(0, 32, (9,), generator=torch.Generator().manual_seed(5))
     parents, anc, depths = _tree()
     tokens = torch.tensor([7, 3, 11, 5, 30, 2, 19])
-    runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4)  # 7 nodes > bucket: chunked tree
+    runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4, exact_max_rows=4)  # 7 nodes > bucket: chunked tree
     runner.forward(prefix, last_only=True)
     logits = runner.forward_tree(tokens, anc, depths)
     assert logits.shape == (7, 32) and runner.length == 16

@@ -59,7 +59,7 @@ def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):
         ids = torch.randint(0, 32, (40,), generator=torch.Generator().manual_seed(3))
         out, seen = [], []
         for natural in (True, False):
-            runner = FastRunner(model, capacity=128, exact=True, exact_bucket=8)
+            runner = FastRunner(model, capacity=128, exact=True, exact_bucket=8, exact_max_rows=8)
             runner.natural_rows = natural
             if natural:
                 floor = runner.net.row_floor(8, runner.kv_block)
@@ -78,3 +78,27 @@ def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):
         if floor is not None:  # a 1-token pass runs max(1, floor) rows, not 8
             f = max(1, floor)
             assert seen == [10, f, max(3, f), f, 8, 8, 8, f]
+
+
+def test_exact_passes_take_up_to_exact_max_rows_tokens(monkeypatch):
+    """With row-invariant kernels an exact pass takes up to exact_max_rows tokens (a 16-node tree in one
+    pass, not two of exact_bucket), with the bits of passes of at most 8."""
+    model = tiny_llama(layers=2, hidden=64).to(torch.bfloat16)
+    ids = torch.randint(0, 32, (100,), generator=torch.Generator().manual_seed(4))
+    out, seen = [], []
+    for max_rows in (32, 8):
+        runner = FastRunner(model, capacity=256, exact=True, exact_max_rows=max_rows)
+        if runner.net.row_floor(32, runner.kv_block) is None:  # kernels not row-invariant: nothing to compare
+            assert not runner.net.packed
+            return
+        if max_rows == 32:
+            real = runner.net.forward
+
+            def spy(ids, *a, **k):
+                seen.append(int(ids.numel()))
+                return real(ids, *a, **k)
+            monkeypatch.setattr(runner.net, "forward", spy)
+        runner.forward(ids[:10], last_only=True)
+        out.append(torch.cat([runner.forward(ids[a:b]) for a, b in ((10, 35), (35, 75), (75, 76))]))
+    assert torch.equal(out[0], out[1])
+    assert seen[1:] == [25, 32, 8, max(1, runner.net.row_floor(32, runner.kv_block))]

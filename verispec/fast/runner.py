@@ -26,8 +26,9 @@ attention kernels sum differently for that): greedy speculative output, chains a
 bit-identical to plain decoding, in bfloat16 too (eager mode; compiled mode keeps the fused kernel,
 so there only chains are). Its cost: every pass runs `exact_bucket` rows, unless the kernels prove
 row-invariant at load (row_invariance.py probes the projections, the LM head and canonical attention;
-here all are from 2 rows on), in which case a pass runs its natural row count, never below the
-probe's floor: plain decoding computes 2 rows, not 8 (`natural_rows`), and canonical attention
+here all are from 2 rows on, up to 32 and beyond), in which case a pass runs its natural row count,
+never below the probe's floor and up to `exact_max_rows` (32) tokens: plain decoding computes 2
+rows, not 8 (`natural_rows`), a 16-node tree verifies in one pass, and canonical attention
 costs more than the fused kernel (benchmarks/fast_decode.py has the figures). Turn it off with
 FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). Prefill
 (last_only=True) is the same call in every method, so it runs in large chunks either way.
@@ -61,19 +62,23 @@ def _round_up(x: int, m: int) -> int:
 
 class FastRunner:
     def __init__(self, model, capacity: int | None = None, exact: bool | None = None, exact_bucket: int = 8,
+                 exact_max_rows: int = 32,
                  compile: bool = False, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
                  prefill_chunk: int = 256, kv_block: int = 512):
         """model: a loaded transformers causal LM of a supported family (its weights are shared).
         capacity: the most positions a sequence may hold (default: min(max positions, 4096)).
         exact: True / False, or None = on for greedy and off for sampling (set by `prepare`)."""
         self.net = build_fast_model(model)
-        if exact_bucket < 1 or any(b < 1 for b in buckets):
+        if exact_bucket < 1 or exact_max_rows < 1 or any(b < 1 for b in buckets):
             raise ValueError("buckets must be positive")
         if kv_block % 16:  # whole SIMD vectors, so reductions over L keep their association as L grows
             raise ValueError("kv_block must be a multiple of 16")
         self.capacity = int(capacity or min(self.net.max_positions, 4096))
         self.buckets = tuple(sorted(set(buckets)))
         self.exact_bucket, self.prefill_chunk, self.kv_block = exact_bucket, prefill_chunk, kv_block
+        # the most tokens of one exact pass at natural row counts: a tree of 16-32 nodes verifies in one
+        # pass, not in chunks of exact_bucket (two passes for the 16-node trees the bench uses)
+        self.exact_max_rows = exact_max_rows
         self.compile = compile
         self.exact_setting = exact
         self.exact = True if exact is None else bool(exact)
@@ -81,7 +86,7 @@ class FastRunner:
         # exact mode: where the kernels are row-invariant (row_invariance.py), passes run their natural row
         # count (never below the probe's floor); False: every pass runs exact_bucket rows
         self.natural_rows = True
-        self.headroom = max(max(self.buckets), exact_bucket, prefill_chunk)  # padding rows write past the end
+        self.headroom = max(max(self.buckets), exact_bucket, exact_max_rows, prefill_chunk)  # padding rows write past the end
         self.slots_total = _round_up(self.capacity + self.headroom, kv_block)
         self.device = self.net.device
         self.kv: list[torch.Tensor] = []  # per layer [2 * kv_heads, S, head_dim]: keys, then values
@@ -173,12 +178,23 @@ class FastRunner:
             take = min(remaining, self.prefill_chunk)
             return take, take  # prefill runs eager at its exact size
         if self.exact:
+            floor = self._natural_floor()
+            if floor is not None:  # row-invariant kernels: the natural row count, never below the floor
+                take = min(remaining, self.exact_max_rows)
+                return take, max(take, floor)
             take = min(remaining, self.exact_bucket)
             return take, self.exact_bucket
         take = min(remaining, self.buckets[-1])
         if not self.compile:
             return take, take
         return take, next(b for b in self.buckets if b >= take)
+
+    def _natural_floor(self) -> int | None:
+        """Exact mode's row floor where passes run their natural row count (eager, canonical attention,
+        row-invariant kernels up to exact_max_rows: row_invariance.py), else None."""
+        if not self.natural_rows or self.compile or not self.canonical:
+            return None
+        return self.net.row_floor(self.exact_max_rows, self.kv_block)
 
     def _run(self, ids: torch.Tensor, anc: torch.Tensor | None, positions: torch.Tensor | None,
              last_only: bool, tree_start: int = 0) -> torch.Tensor:
@@ -207,10 +223,6 @@ class FastRunner:
             exact_shape = self.exact and not last_only
             compiled = self.compile and not last_only
             layout_free = exact_shape and not compiled and self.canonical  # canonical.py: trees exact too
-            if layout_free and self.natural_rows:  # row-invariant kernels: the natural row count, not the bucket
-                floor = self.net.row_floor(T, self.kv_block)
-                if floor is not None:
-                    T = max(take, floor)
             # exact shapes attend in whole kv blocks (see the module docstring); other passes over the
             # filled slots only, rounded to whole SIMD vectors (T = 1 after 200 tokens: 36 us per layer
             # over 208 slots vs 80 us over 512, measured 2026-12-03)
