@@ -260,6 +260,21 @@ def test_exact_mode_logits_do_not_depend_on_how_tokens_share_a_pass():
         assert torch.equal(alone, together), dtype
 
 
+@pytest.mark.parametrize("kv_block", [16, 64, 512])
+def test_exact_mode_is_right_when_a_pass_ends_on_the_attended_length(kv_block):
+    """Canonical attention sums a row's last TAIL columns; where the attended length L is short of them
+    (small kv blocks), the columns past L must add nothing: they once repeated column L - 1, which a
+    pass's last row sees when the pass ends on L (kv_block 64, 3-token passes: logits off by 2 from
+    position 62 on)."""
+    model = tiny_llama(layers=2, hidden=64)
+    ids = torch.randint(0, 32, (80,), generator=torch.Generator().manual_seed(1))
+    ref = _reference(model, ids)
+    runner = FastRunner(model, capacity=200, exact=True, kv_block=kv_block)
+    runner.forward(ids[:1], last_only=True)
+    got = torch.cat([runner.forward(ids[i:i + 3]) for i in range(1, 79, 3)])
+    torch.testing.assert_close(got, ref[1:79], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_mode_holds_across_attention_block_boundaries(dtype):
     """Positions 740-800 scored alone and in passes of 6: the passes that start before slot 760 attend

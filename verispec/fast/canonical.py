@@ -39,12 +39,15 @@ class Canon:
     groups:     list of (B, rows)     the distinct cuts; rows: BoolTensor [T] of the rows with that cut
     tail_cols:  [T, TAIL] long        canonical columns B_r .. B_r + TAIL - 1 (clamped to L - 1)
     tail_slots: [T * TAIL] long       the cache slots of those columns
+    tail_past:  [T, TAIL] bool or None  the columns past L - 1 (clamped: they must add zero, not column
+                L - 1 again, which a row at position L - 1 sees); None when no column is
     """
 
     order: torch.Tensor | None
     groups: list[tuple[int, torch.Tensor]]
     tail_cols: torch.Tensor
     tail_slots: torch.Tensor
+    tail_past: torch.Tensor | None = None
     _derived: dict = field(default_factory=dict)
 
     def expanded(self, g: int) -> tuple:
@@ -52,7 +55,8 @@ class Canon:
         if g not in self._derived:
             self._derived[g] = (None if self.order is None else self.order.repeat(g, 1),
                                   self.tail_cols.repeat(g, 1),
-                                  [(b, rows.repeat(g)[:, None]) for b, rows in self.groups])
+                                  [(b, rows.repeat(g)[:, None]) for b, rows in self.groups],
+                                  None if self.tail_past is None else self.tail_past.repeat(g, 1))
         return self._derived[g]
 
     def flat_slots(self, kvh: int, S: int) -> torch.Tensor:
@@ -71,9 +75,11 @@ def plan(positions: torch.Tensor, L: int, order: torch.Tensor | None, floor: int
     if floor is not None:
         cuts = [min(b, CUT * (floor // CUT)) for b in cuts]
     cut = torch.tensor(cuts, dtype=torch.long, device=positions.device)
-    cols = (cut[:, None] + torch.arange(TAIL, device=positions.device)[None, :]).clamp(max=L - 1)
+    cols = cut[:, None] + torch.arange(TAIL, device=positions.device)[None, :]
+    past = (cols >= L) if max(cuts) + TAIL > L else None  # L not a multiple of CUT, or L < TAIL
+    cols = cols.clamp(max=L - 1)
     slots = cols if order is None else order.gather(1, cols)
-    return Canon(order, [(b, cut == b) for b in sorted(set(cuts))], cols, slots.reshape(-1))
+    return Canon(order, [(b, cut == b) for b in sorted(set(cuts))], cols, slots.reshape(-1), past)
 
 
 def bias(mask: torch.Tensor, g: int) -> torch.Tensor:
@@ -90,7 +96,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bia
     L = bias_.shape[-1]
     kvh = k_cache.shape[0]
     g = H // kvh
-    order, tail_cols, groups = canon.expanded(g)
+    order, tail_cols, groups, tail_past = canon.expanded(g)
     qg = (q * scale).reshape(kvh, g * T, D)
     s = torch.bmm(qg, k_cache[:, :L].transpose(1, 2))  # [KVH, G*T, L], slot order: dot products only
     if order is not None:
@@ -106,6 +112,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bia
         else:
             head = torch.where(rows, part, head)
     pt = p.gather(-1, tail_cols.expand(kvh, g * T, TAIL))                    # [KVH, G*T, W]
+    if tail_past is not None:
+        pt.masked_fill_(tail_past, 0.0)
     pt = pt.reshape(kvh, g, T, TAIL).transpose(1, 2)                          # [KVH, T, G, W]
     flat = canon.flat_slots(kvh, v_cache.shape[1])  # a row gather on a 2-D view: 5-10x faster than dim 1
     vt = v_cache.view(-1, D).index_select(0, flat).reshape(kvh, T, TAIL, D)   # the rows' last values
