@@ -53,6 +53,16 @@ def test_the_attention_probe_finds_a_row_dependent_attention(monkeypatch):
     assert attention_row_floor(4, 2, 16, 8, (16, 32), torch.float32, cpu) == 5
 
 
+def _count_rows(monkeypatch, runner, seen: list) -> None:
+    """Append the row count of every pass `runner` runs to `seen`."""
+    real = runner.net.forward
+
+    def spy(ids, *a, **k):
+        seen.append(int(ids.numel()))
+        return real(ids, *a, **k)
+    monkeypatch.setattr(runner.net, "forward", spy)
+
+
 def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_llama(layers=3, hidden=64).to(dtype)
@@ -63,12 +73,7 @@ def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):
             runner.natural_rows = natural
             if natural:
                 floor = runner.net.row_floor(8, runner.kv_block)
-                real = runner.net.forward
-
-                def spy(ids, *a, **k):
-                    seen.append(int(ids.numel()))
-                    return real(ids, *a, **k)
-                monkeypatch.setattr(runner.net, "forward", spy)
+                _count_rows(monkeypatch, runner, seen)
             runner.forward(ids[:10], last_only=True)
             out.append(torch.cat([runner.forward(ids[a:b]) for a, b in ((10, 11), (11, 14), (14, 15), (15, 40))]))
         assert torch.equal(out[0], out[1]), dtype
@@ -92,12 +97,7 @@ def test_exact_passes_take_up_to_exact_max_rows_tokens(monkeypatch):
             assert not runner.net.packed
             return
         if max_rows == 32:
-            real = runner.net.forward
-
-            def spy(ids, *a, **k):
-                seen.append(int(ids.numel()))
-                return real(ids, *a, **k)
-            monkeypatch.setattr(runner.net, "forward", spy)
+            _count_rows(monkeypatch, runner, seen)
         runner.forward(ids[:10], last_only=True)
         out.append(torch.cat([runner.forward(ids[a:b]) for a, b in ((10, 35), (35, 75), (75, 76))]))
     assert torch.equal(out[0], out[1])
