@@ -1,13 +1,14 @@
 """FastRunner: the engine's runner interface over a fast family module and a preallocated KV cache.
 
-The cache is one [2 * kv_heads, S, head_dim] tensor per layer (keys, then values), preallocated; the position is the pointer:
-`length` says how many slots are valid, rollback moves it back, a tree path is compacted by an index
+The cache is one [2 * kv_heads, S, head_dim] tensor per layer (keys, then values), preallocated;
+the position is the pointer: `length` says how many slots are valid, rollback moves it back, a tree path is compacted by an index
 copy, and a tree is verified with its ancestor mask natively (each slot also records its position id,
 so sliding windows and tree depths work from position ids, not slot numbers).
 
 Shapes. Every pass runs T tokens (padding rows are computed and thrown away) and attends over the
-first L slots of the cache with a [T, L] boolean mask, L a multiple of `kv_block` (masked slots add
-exact zeros, so a position's attention result does not depend on how far L reaches). kv_block is 512
+first L slots of the cache with a [T, L] mask. In exact mode and compiled mode L is a multiple of
+`kv_block` (masked slots add exact zeros, so a position's attention result does not depend on how far
+L reaches); other passes attend over the filled slots rounded up to 16. kv_block is 512
 by default because PyTorch's CPU flash attention splits the keys into blocks of 512 and rounds a
 partly filled last block differently for different L: with kv_block 256, SmolLM2's logits at
 positions 762-765 changed when the pass attended over 768 slots instead of 1024 (measured 2026-12-03;
