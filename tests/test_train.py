@@ -73,6 +73,24 @@ def test_features_match_a_plain_forward(tiny, dataset):
     assert data.topk_ids[o:o + len(seq), 0].tolist() == out.logits[0].argmax(-1).tolist()
 
 
+def test_fast_backend_features_match_transformers(tiny, dataset, tmp_path):
+    """The feature pass on verispec's own forward stores what the transformers pass stores (within the
+    bf16 rounding of the stored features), and a shard made by the other backend is redone, not reused."""
+    records, data, layers = dataset
+    paths = extract_features(tiny, records[:5], tmp_path, layers, shard_size=5, progress=False, backend="fast")
+    fast = FeatureSet(paths)
+    n = fast.num_tokens
+    assert fast.tokens.tolist() == data.tokens[:n].tolist()
+    torch.testing.assert_close(fast.feats.float(), data.feats[:n].float(), atol=0.05, rtol=0.02)
+    assert fast.topk_ids[:, 0].tolist() == data.topk_ids[:n, 0].tolist()
+    torch.testing.assert_close(fast.topk_p, data.topk_p[:n], atol=2e-3, rtol=2e-3)
+    assert torch.load(paths[0])["backend"] == "fast"
+    extract_features(tiny, records[:5], tmp_path, layers, shard_size=5, progress=False, backend="hf")
+    assert torch.load(paths[0])["backend"] == "hf"
+    with pytest.raises(ValueError, match="unknown feature backend"):
+        extract_features(tiny, records[:5], tmp_path, layers, progress=False, backend="jax")
+
+
 def test_eagle_loss_falls(tiny, dataset, tmp_path):
     records, data, _ = dataset
     head = _eagle(tiny, records)
@@ -189,3 +207,5 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "steps must be >= 1" in r.output
     r = CliRunner().invoke(app, ["train", "medusa", "--lr", "-1"])
     assert r.exit_code == 2 and "lr must be > 0" in r.output
+    r = CliRunner().invoke(app, ["train", "eagle", "--feature-backend", "jax"])
+    assert r.exit_code == 2 and "unknown feature backend 'jax'" in r.output

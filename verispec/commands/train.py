@@ -45,6 +45,7 @@ def _command(kind: str):
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
+        feature_backend: str = typer.Option("hf", "--feature-backend", help="hf (transformers) or fast (verispec's forward) for the feature pass."),
         max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this much wall time."),
         eval_prompts: int = typer.Option(8, "--eval-prompts", help="Held-out prompts for the tau evaluation (0 = skip)."),
         eval_tokens: int = typer.Option(64, "--eval-tokens"),
@@ -54,7 +55,8 @@ def _command(kind: str):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, steps=steps, batch_size=batch_size, seq_len=seq_len,
              lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
-             dtype=dtype, eval_prompts=eval_prompts, eval_tokens=eval_tokens, threads=threads, progress=not no_progress, max_minutes=max_minutes)
+             dtype=dtype, eval_prompts=eval_prompts, eval_tokens=eval_tokens, threads=threads, progress=not no_progress, max_minutes=max_minutes,
+             feature_backend=feature_backend)
 
     return cmd
 

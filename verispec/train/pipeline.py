@@ -43,6 +43,7 @@ class TrainConfig:
     device: str = "cpu"
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
                                      # were 2-5x slower than float32 in transformers on this CPU)
+    feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
     max_minutes: float | None = None # stop training after this much wall time (the steps done are recorded)
     eval_prompts: int = 8
     eval_tokens: int = 64
@@ -57,6 +58,8 @@ def _check(cfg: TrainConfig) -> None:
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.feature_backend not in ("hf", "fast"):
+        raise InvalidParameter(f"unknown feature backend '{cfg.feature_backend}'; use hf or fast")
     if cfg.seq_len < cfg.ttt_steps + 2:
         raise InvalidParameter("seq-len must exceed ttt-steps + 1")
     if not cfg.lr > 0:
@@ -99,7 +102,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
     t0 = time.perf_counter()
     L = int(target.model.config.num_hidden_layers)
     layers = sorted(set(default_feature_layers(L)) | {L})
-    paths = extract_features(target, records, work / "features", layers, progress=cfg.progress)
+    paths = extract_features(target, records, work / "features", layers, progress=cfg.progress,
+                             backend=cfg.feature_backend)
     data = FeatureSet(paths)
     timings["features_s"] = round(time.perf_counter() - t0, 1)
     log(f"features: {data.num_tokens} positions, layers {layers}")
