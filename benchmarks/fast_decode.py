@@ -17,7 +17,9 @@ is the median of --rounds rounds that each measure every configuration once, sid
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 
@@ -42,6 +44,20 @@ def copy_bandwidth() -> float:
     dst.copy_(src)
     t = _timed(lambda: dst.copy_(src), repeat=5)
     return 2 * src.numel() / t
+
+
+@contextlib.contextmanager
+def packing(on: bool):
+    """VERISPEC_PACKED set for the runners built inside (fast/packed.py reads it when a runner is built)."""
+    before = os.environ.get("VERISPEC_PACKED")
+    os.environ["VERISPEC_PACKED"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VERISPEC_PACKED"]
+        else:
+            os.environ["VERISPEC_PACKED"] = before
 
 
 def forward_cost(runner, context: list[int], n: int, repeat: int) -> float:
@@ -112,13 +128,18 @@ def main() -> None:
         configs = [("engine hf backend", "hf", {}),
                    ("engine fast, eager, exact", "fast", {"exact": True}),
                    ("engine fast, eager, exact, 8-row", "fast", {"exact": True, "natural_rows": False}),
-                   ("engine fast, eager, not exact", "fast", {"exact": False})]
+                   ("engine fast, eager, not exact", "fast", {"exact": False}),
+                   # F.linear on plain weights (VERISPEC_PACKED=0): what packing (widened for bf16 on CPUs
+                   # without bf16 instructions, fast/packed.py) buys
+                   ("engine fast, eager, not exact, unpacked", "fast", {"exact": False, "packed": False})]
         if not args.no_compile:
             configs += [("engine fast, compiled, exact", "fast", {"exact": True, "compile": True}),
                         ("engine fast, compiled, not exact", "fast", {"exact": False, "compile": True})]
         engines, warm = {}, {}
         for name, backend, opts in configs:
-            engine = build_engine(target, "ar", backend=backend, **{k: v for k, v in opts.items() if k != "natural_rows"})
+            with packing(opts.get("packed", True)):
+                engine = build_engine(target, "ar", backend=backend,
+                                      **{k: v for k, v in opts.items() if k not in ("natural_rows", "packed")})
             if isinstance(engine.runner, FastRunner):
                 engine.runner.exact_bucket = args.exact_bucket
                 engine.runner.natural_rows = opts.get("natural_rows", True)  # False: every layer runs 8 rows

@@ -10,6 +10,17 @@ the op inductor's CPU freezing pass uses) and run by `torch.ops.mkldnn._linear_p
 A packed weight is a copy in another layout: only this op can read it. Off CPU, in other dtypes, or
 where the ops are missing or disagree with `F.linear` on a probe, the plain weight and `F.linear`
 are used instead, so the fast path never depends on them.
+
+bfloat16 on CPUs without bf16 instructions (AVX2 only, e.g. AMD Zen 3): oneDNN refuses to pack bf16
+weights there, and `F.linear` in bfloat16 converts inside the GEMM, so its cost grows with the rows
+(measured 2026-12-04 on such a machine, SmolLM2-135M: a forward over 16 positions 245 ms against 25 ms
+over one, which leaves speculation nothing to spend; the LM head alone 3.2 ms at 1 row, 11.7 at 4, 46
+at 16). There each weight is kept twice: as it is, for one-row calls, where bf16 `F.linear` reads
+half the bytes of float32 and is the fastest kernel; and packed WIDENED to
+float32 (its values exactly: every bf16 number is a float32 number) for larger calls, which run the
+float32 kernel on the bf16 activations and round the output to bf16: the same products summed in
+float32, as a bf16 GEMM does (LM head at 16 rows: 10 ms). Exact mode's row-invariance probe sees the
+switch and keeps its passes at HYBRID_ROWS rows or more. `VERISPEC_PACKED=0` turns this off too.
 """
 
 from __future__ import annotations
@@ -65,6 +76,29 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_BATCH)
 
 
+# bf16 without bf16 instructions: calls of fewer rows run F.linear on the bf16 weight, larger ones the
+# widened float32 copy (measured 2026-12-04 on an AVX2 Zen 3, all of SmolLM2's linears of one forward,
+# 2 threads: bf16 F.linear 14.3 / 27.6 / 54.5 ms at 1 / 2 / 4 rows, widened 26.8 / 26.8 / 23.6 ms)
+HYBRID_ROWS = 2
+
+
+def _pack_hybrid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [out, in] -> (the weight itself, a float32 copy in oneDNN's layout)."""
+    w = w.detach().contiguous()
+    return w, pack(w.float())
+
+
+def _widened(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor | None, linear: Callable = None) -> torch.Tensor:
+    """bf16 x [M, in] against the widened copy -> bf16 [M, out] (float32 products and sums, one rounding)."""
+    return (linear or _packed_linear)(x.float(), w32, None if b is None else b.float()).to(x.dtype)
+
+
+def _hybrid_linear(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None = None) -> torch.Tensor:
+    if x.shape[0] < HYBRID_ROWS:
+        return F.linear(x, w[0], b)
+    return _widened(x, w[1], b)
+
+
 @torch.library.custom_op("verispec::packed_linear", mutates_args=())
 def _opaque_packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return _packed_linear(x, w, b)
@@ -80,6 +114,8 @@ def for_compile(linear: Callable) -> Callable:
     it packed itself, so a packed weight goes through an opaque custom op that it calls as is."""
     if linear is _packed_linear:
         return lambda x, w, b=None: _opaque_packed_linear(x, w, b)
+    if linear is _hybrid_linear:  # compiled passes run token buckets: one kernel, the widened one
+        return lambda x, w, b=None: _widened(x, w[1], b, _opaque_packed_linear)
     return linear
 
 
@@ -87,4 +123,6 @@ def linear_for(dtype: torch.dtype, device: torch.device) -> tuple[Callable, Call
     """(pack, linear): how to prepare a weight once and how to apply it, for this dtype and device."""
     if available(dtype, device):
         return pack, _packed_linear
+    if dtype == torch.bfloat16 and available(torch.float32, device):
+        return _pack_hybrid, _hybrid_linear  # no bf16 packing on this CPU (see the module docstring)
     return (lambda w: w), F.linear
