@@ -73,3 +73,17 @@ def test_hybrid_greedy_speculation_equals_plain_decoding(hybrid):
         plain = build_engine(target, "ar", backend="fast").generate(prompt, params).token_ids
         for method, opts in (("ngram", {}), ("draft", {"draft": draft}), ("ngram", {"tree": "static:small"})):
             assert build_engine(target, method, backend="fast", **opts).generate(prompt, params).token_ids == plain
+
+
+def test_hybrid_under_torch_compile(hybrid):
+    """Compiled passes run their token buckets on the widened copy (an opaque op inductor calls as is):
+    the logits of eager passes of the same widths."""
+    model = tiny_llama().to(torch.bfloat16)
+    ids = torch.randint(0, 32, (14,), generator=torch.Generator().manual_seed(9))
+    eager = FastRunner(model, capacity=32, exact=False)
+    comp = FastRunner(model, capacity=32, exact=False, compile=True, buckets=(4,))
+    for r in (eager, comp):
+        r.forward(ids[:8], last_only=True)
+    a = torch.cat([eager.forward(ids[8:11]), eager.forward(ids[11:14])])  # 3 rows: the widened kernel
+    b = torch.cat([comp.forward(ids[8:11]), comp.forward(ids[11:14])])
+    torch.testing.assert_close(b, a, atol=0.05, rtol=0.02)
