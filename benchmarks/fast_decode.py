@@ -48,9 +48,11 @@ def copy_bandwidth() -> float:
 
 @contextlib.contextmanager
 def packing(on: bool):
-    """VERISPEC_PACKED set for the runners built inside (fast/packed.py reads it when a runner is built)."""
+    """Packing turned off (VERISPEC_PACKED=0) for the runners built inside when `on` is False (fast/packed.py
+    reads it when a runner is built); when True, the environment is left as the user set it."""
     before = os.environ.get("VERISPEC_PACKED")
-    os.environ["VERISPEC_PACKED"] = "1" if on else "0"
+    if not on:
+        os.environ["VERISPEC_PACKED"] = "0"
     try:
         yield
     finally:

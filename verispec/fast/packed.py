@@ -16,11 +16,11 @@ weights there, and `F.linear` in bfloat16 converts inside the GEMM, so its cost 
 (measured 2026-12-04 on such a machine, SmolLM2-135M: a forward over 16 positions 245 ms against 25 ms
 over one, which leaves speculation nothing to spend; the LM head alone 3.2 ms at 1 row, 11.7 at 4, 46
 at 16). There each weight is kept twice: as it is, for one-row calls, where bf16 `F.linear` reads
-half the bytes of float32 and is the fastest kernel; and packed WIDENED to
-float32 (its values exactly: every bf16 number is a float32 number) for larger calls, which run the
-float32 kernel on the bf16 activations and round the output to bf16: the same products summed in
-float32, as a bf16 GEMM does (LM head at 16 rows: 10 ms). Exact mode's row-invariance probe sees the
-switch and keeps its passes at HYBRID_ROWS rows or more. `VERISPEC_PACKED=0` turns this off too.
+half the bytes of float32 and is the fastest kernel; and packed WIDENED to float32 (its values
+exactly: every bf16 number is a float32 number) for larger calls, which run the float32 kernel on the
+bf16 activations and round the output to bf16: the same products summed in float32, as a bf16 GEMM
+does (LM head at 16 rows: 10 ms). Exact mode's row-invariance probe sees the switch and keeps its
+passes at HYBRID_ROWS rows or more. `VERISPEC_PACKED=0` turns this off too.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_BATCH)
 
 
-# bf16 without bf16 instructions: calls of fewer rows run F.linear on the bf16 weight, larger ones the
+# bf16 without bf16 instructions: calls of fewer rows than this run F.linear on the bf16 weight, larger ones the
 # widened float32 copy (measured 2026-12-04 on an AVX2 Zen 3, all of SmolLM2's linears of one forward,
 # 2 threads: bf16 F.linear 14.3 / 27.6 / 54.5 ms at 1 / 2 / 4 rows, widened 26.8 / 26.8 / 23.6 ms)
 HYBRID_ROWS = 2
@@ -88,7 +88,7 @@ def _pack_hybrid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w, pack(w.float())
 
 
-def _widened(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor | None, linear: Callable = None) -> torch.Tensor:
+def _widened(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor | None, linear: Callable | None = None) -> torch.Tensor:
     """bf16 x [M, in] against the widened copy -> bf16 [M, out] (float32 products and sums, one rounding)."""
     return (linear or _packed_linear)(x.float(), w32, None if b is None else b.float()).to(x.dtype)
 
