@@ -151,6 +151,58 @@ def test_training_time_test_matches_inference(tiny, dataset):
     torch.testing.assert_close(head.logits(h3), outs[2][0, N - 2], atol=1e-4, rtol=1e-4)
 
 
+def _drafter_logits(head, seq, feats, t, steps):
+    """What EagleDrafter computes at anchor t (context seq[:t + 2], target features of positions <= t),
+    drafting a chain of the true next tokens: logits of draft steps 1..steps."""
+    d = EagleDrafter(head, V)
+    d.begin(seq[: t + 2], SamplingParams(), None)
+    d.observe_features(feats[: t + 1])
+    h = d.sync(seq[: t + 2])
+    d.scratch = d.n
+    out, slots = [head.logits(h)], []
+    for depth in range(1, steps):
+        h = d._expand([seq[t + 1 + depth]], h[None], depth, [list(slots)])[0]
+        slots.append(d.scratch - 1)
+        out.append(head.logits(h))
+    return out
+
+
+@torch.inference_mode()
+def test_training_windows_see_the_whole_prefix(tiny, tmp_path):
+    """A training window deep into a long sequence computes, at every anchor and unrolled step, what the
+    drafter computes there at inference, where the head's cache holds every position from 0 (the
+    windows of old started 16 tokens before the answer and failed this)."""
+    g = torch.Generator().manual_seed(5)
+    plain = Engine.for_model(tiny, None, backend="hf")
+    records = []
+    for i in range(3):
+        prompt = torch.randint(1, V, (40 + 7 * i,), generator=g).tolist()
+        ans = plain.generate(prompt, SamplingParams(max_new_tokens=30)).token_ids
+        records.append({"id": str(i), "source": "test", "prompt_ids": prompt, "answer_ids": ans})
+    L = tiny.model.config.num_hidden_layers
+    layers = sorted(set(default_feature_layers(L)) | {L})
+    data = FeatureSet(extract_features(tiny, records, tmp_path, layers, progress=False))
+    head = _eagle(tiny, records).eval()
+    cols = data.columns(head.feature_layers, 32)
+    steps = 6
+    batch = data.batch([0, 1, 2], seq_len=8, rng=torch.Generator().manual_seed(1))
+    assert (batch["anchors"][:, 0] >= 38).all()  # the windows sit after the prompts
+    feats = batch["feats"].index_select(-1, cols).float()
+    outs = eagle_unroll(head, batch["tokens"], feats, steps, batch["anchors"])
+    checked = 0
+    for r in range(3):
+        seq = batch["tokens"][r].tolist()
+        for c in range(batch["anchors"].shape[1]):
+            t = int(batch["anchors"][r, c])
+            if not batch["anchor_mask"][r, c] or t + steps >= len(seq) or seq[t + steps] == 0:
+                continue
+            want = _drafter_logits(head, seq, feats[r], t, steps)
+            for j in range(steps):
+                torch.testing.assert_close(outs[j][r, c], want[j], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 10
+
+
 def test_checkpoint_round_trip_and_refusal(tiny, dataset, tmp_path):
     records, _, _ = dataset
     head = _eagle(tiny, records, seed=3)

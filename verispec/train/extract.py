@@ -116,25 +116,41 @@ class FeatureSet:
         """Indices of the feature columns holding `layers`, in that order."""
         return torch.cat([torch.arange(self.layers.index(i) * hidden, (self.layers.index(i) + 1) * hidden) for i in layers])
 
-    def batch(self, idx: list[int], seq_len: int, rng: torch.Generator, context: int = 16):
-        """Windows of at most seq_len positions: a little prompt context, then the answer.
-        -> tokens [B, T], feats [B, T, F], topk_ids/p [B, T, k], label mask [B, T] (answer positions:
-        a label at position t is the target's distribution of token t + 1, kept when t + 1 is an answer token)."""
-        T = min(seq_len, max(self.lengths[i] for i in idx))
+    def batch(self, idx: list[int], seq_len: int, rng: torch.Generator, lookahead: int = 8) -> dict:
+        """Training windows that see what the head sees when it drafts: every position from 0 up to the
+        window is a key, and `seq_len` consecutive anchors inside the answer are the queries.
+
+        Per sequence, the first query anchor lo is drawn uniformly from the anchors whose first label is an
+        answer token; the tokens kept run from 0 to lo + seq_len + lookahead (the deeper unrolled steps read
+        the tokens after their anchor). -> {"tokens" [B, S], "feats" [B, S, F], "topk_ids"/"topk_p" [B, S, k],
+        "label_mask" [B, S] (a label at position t is the target's distribution of token t + 1, kept when
+        t + 1 is an answer token), "anchors" [B, Q] (absolute positions of the query anchors) and
+        "anchor_mask" [B, Q] (False where a sequence has fewer than Q anchors: padding repeats its last)}."""
         B, k = len(idx), self.topk_ids.shape[1]
-        tok = torch.zeros(B, T, dtype=torch.long)
-        fe = torch.zeros(B, T, self.feats.shape[1], dtype=self.feats.dtype)
-        ids = torch.zeros(B, T, k, dtype=torch.long)
-        ps = torch.zeros(B, T, k)
-        lm = torch.zeros(B, T, dtype=torch.bool)
-        for r, i in enumerate(idx):
+        spans = []
+        for i in idx:
+            n, pl = self.lengths[i], self.prompt_lengths[i]
+            first = max(0, pl - 2)                 # anchor t's step-1 label is token t + 2
+            last_lo = max(first, n - 1 - seq_len)
+            lo = first + int(torch.randint(0, last_lo - first + 1, (1,), generator=rng))
+            spans.append((lo, min(n, lo + seq_len + lookahead)))
+        S = max(hi for _, hi in spans)
+        Q = max(1, min(seq_len, max(hi - 1 - lo for lo, hi in spans)))
+        tok = torch.zeros(B, S, dtype=torch.long)
+        fe = torch.zeros(B, S, self.feats.shape[1], dtype=self.feats.dtype)
+        ids = torch.zeros(B, S, k, dtype=torch.long)
+        ps = torch.zeros(B, S, k)
+        lm = torch.zeros(B, S, dtype=torch.bool)
+        anchors = torch.zeros(B, Q, dtype=torch.long)
+        am = torch.zeros(B, Q, dtype=torch.bool)
+        for r, (i, (lo, hi)) in enumerate(zip(idx, spans)):
             n, pl, o = self.lengths[i], self.prompt_lengths[i], self.offsets[i]
-            lo = max(0, pl - context)
-            hi = max(lo, n - T)
-            start = lo + int(torch.randint(0, hi - lo + 1, (1,), generator=rng)) if hi > lo else lo
-            m = min(T, n - start)
-            sl = slice(o + start, o + start + m)
-            tok[r, :m], fe[r, :m], ids[r, :m], ps[r, :m] = self.tokens[sl], self.feats[sl], self.topk_ids[sl], self.topk_p[sl]
-            pos = torch.arange(start, start + m)
-            lm[r, :m] = (pos + 1 >= pl) & (pos + 1 < n)
-        return tok, fe, ids, ps, lm
+            sl = slice(o, o + hi)
+            tok[r, :hi], fe[r, :hi], ids[r, :hi], ps[r, :hi] = self.tokens[sl], self.feats[sl], self.topk_ids[sl], self.topk_p[sl]
+            pos = torch.arange(hi)
+            lm[r, :hi] = (pos + 1 >= pl) & (pos + 1 < n)
+            a = lo + torch.arange(Q)
+            am[r] = a <= hi - 2
+            anchors[r] = a.clamp_max(max(lo, hi - 2))
+        return {"tokens": tok, "feats": fe, "topk_ids": ids, "topk_p": ps, "label_mask": lm, "anchors": anchors,
+                "anchor_mask": am}

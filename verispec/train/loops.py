@@ -30,8 +30,8 @@ import torch
 from verispec.train.extract import FeatureSet
 
 
-def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, t2d: torch.Tensor, d2t: torch.Tensor,
-            mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor, t2d: torch.Tensor,
+            d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [..., Vd]; the target's top-k ids/probs [..., k] (target ids); mask [...] ->
     (summed loss, summed top-1 agreement, count)."""
     d = t2d[ids]  # [..., k] draft index or -1
@@ -61,33 +61,51 @@ def _manual_attention(q, keys, values, scores_mask, diag_k, diag_v):
     return out
 
 
-def eagle_unroll(head, tok, feats, steps: int):
-    """The training-time-test forward. tok [B, T], feats [B, T, F] -> list of logits per step j
-    (step j: [B, T - j, Vd], anchors t = 0..T-1-j, label positions t + j)."""
-    B, T = tok.shape
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, S, ...], idx [B, Q] -> x at those positions [B, Q, ...]."""
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
+
+def eagle_unroll(head, tok, feats, steps: int, anchors: torch.Tensor | None = None):
+    """The training-time-test forward. tok [B, S], feats [B, S, F]; anchors [B, Q] (absolute positions,
+    default every position with a next token) -> list of logits per step j, each [B, Q, Vd]: step j at
+    anchor t predicts the target's distribution at position t + j (label index t + j).
+
+    Step 1 computes the entries of every position < S - 1 (the keys: the whole prefix from position 0,
+    as the drafter's cache holds at inference) and queries at the anchors only; deeper steps run at the
+    anchors alone. Anchors whose tokens run past S read clamped tokens; their labels must be masked."""
+    B, S = tok.shape
     rep = head.n_heads // head.n_kv
     dev = tok.device
-    m1 = T - 1
-    x = head.inputs(tok[:, 1:], head.project(feats[:, :-1]))
-    pos = torch.arange(m1, device=dev).expand(B, m1)
-    q, k, v = head.qkv(x, pos)
+    m1 = S - 1
+    if anchors is None:
+        anchors = torch.arange(m1, device=dev).expand(B, m1)
+    x = head.inputs(tok[:, 1:], head.project(feats[:, :-1]))  # entry t: token t + 1 with the feature of t
+    _, k, v = head.qkv(x, torch.arange(m1, device=dev).expand(B, m1))
     k1, v1 = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    causal = torch.ones(m1, m1, dtype=torch.bool, device=dev).tril()
-    h = head.finish(x, _manual_attention(q, k1, v1, causal, [], []))
+    visible = (torch.arange(m1, device=dev)[None, None, :] <= anchors[:, :, None])[:, None]  # [B, 1, Q, m1]
+    x = _rows(x, anchors)
+    q, _, _ = head.qkv(x, anchors)
+    h = head.finish(x, _manual_attention(q, k1, v1, visible, [], []))
     out = [head.logits(h)]
     dk, dv = [], []
     for j in range(2, steps + 1):
-        m = T - j
-        if m <= 0:
-            break
-        x = head.inputs(tok[:, j:], h[:, :m])
-        pos = (torch.arange(m, device=dev) + (j - 1)).expand(B, m)
-        q, k, v = head.qkv(x, pos)
-        dk = [t[:, :, :m] for t in dk] + [k.repeat_interleave(rep, 1)]
-        dv = [t[:, :, :m] for t in dv] + [v.repeat_interleave(rep, 1)]
-        h = head.finish(x, _manual_attention(q, k1, v1, causal[:m], dk, dv))
+        x = head.inputs(_rows(tok, (anchors + j).clamp_max(S - 1)), h)  # token t + j with the step j-1 output
+        q, k, v = head.qkv(x, anchors + (j - 1))
+        dk.append(k.repeat_interleave(rep, 1))
+        dv.append(v.repeat_interleave(rep, 1))
+        h = head.finish(x, _manual_attention(q, k1, v1, visible, dk, dv))
         out.append(head.logits(h))
     return out
+
+
+def shifted_labels(batch: dict, shift: int):
+    """The labels of anchor t + shift for every anchor: (ids [B, Q, k], probs [B, Q, k], mask [B, Q])."""
+    S = batch["tokens"].shape[1]
+    pos = batch["anchors"] + shift
+    at = pos.clamp_max(S - 1)
+    mask = batch["anchor_mask"] & (pos < S) & _rows(batch["label_mask"], at)
+    return _rows(batch["topk_ids"], at), _rows(batch["topk_p"], at), mask
 
 
 def _vocab_maps(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -137,7 +155,7 @@ class Trainer:
         return self.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, self.steps - warm)))
 
     def run(self, loss_fn) -> list[dict]:
-        """loss_fn(batch on device) -> (loss, agree_sum, count, per-step agreement list)."""
+        """loss_fn(batch dict on device, see FeatureSet.batch) -> (loss, per-step agreement list)."""
         torch.manual_seed(self.seed + self.step)
         it = range(self.step, self.steps)
         if self.progress:
@@ -147,11 +165,11 @@ class Trainer:
         t0 = t_last = time.perf_counter()
         for step in it:
             idx = torch.randint(0, len(self.data), (self.batch_size,), generator=self.rng).tolist()
-            batch = [t.to(self.device) for t in self.data.batch(idx, self.seq_len, self.rng)]
+            batch = {name: t.to(self.device) for name, t in self.data.batch(idx, self.seq_len, self.rng).items()}
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(step)
             self.module.train()
-            loss, agree = loss_fn(*batch)
+            loss, agree = loss_fn(batch)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
@@ -184,11 +202,12 @@ def train_eagle(head, data: FeatureSet, vocab: int, work: Path, steps: int = 200
     trainer = Trainer(head, data, vocab, work, steps, batch_size, seq_len, lr, seed, device, log, save_every, progress,
                       max_seconds)
 
-    def loss_fn(tok, fe, ids, ps, lm):
-        outs = eagle_unroll(head, tok, fe.index_select(-1, cols).float(), ttt_steps)
+    def loss_fn(batch):
+        outs = eagle_unroll(head, batch["tokens"], batch["feats"].index_select(-1, cols).float(), ttt_steps,
+                            batch["anchors"])
         total, agree = 0.0, []
         for j, lg in enumerate(outs, start=1):
-            s, a, n = soft_ce(lg, ids[:, j:], ps[:, j:], trainer.t2d, trainer.d2t, lm[:, j:])
+            s, a, n = soft_ce(lg, *shifted_labels(batch, j), trainer.t2d, trainer.d2t)
             total = total + (0.8 ** (j - 1)) * s / n.clamp_min(1)
             agree.append(float(a / n.clamp_min(1)))
         return total, agree
@@ -204,12 +223,11 @@ def train_medusa(heads, data: FeatureSet, vocab: int, work: Path, steps: int = 2
     trainer = Trainer(heads, data, vocab, work, steps, batch_size, seq_len, lr, seed, device, log, save_every, progress,
                       max_seconds)
 
-    def loss_fn(tok, fe, ids, ps, lm):
-        lg = heads(fe.index_select(-1, cols).float())  # [B, T, K, Vd]
+    def loss_fn(batch):
+        lg = heads(_rows(batch["feats"], batch["anchors"]).index_select(-1, cols).float())  # [B, Q, K, Vd]
         total, agree = 0.0, []
         for k in range(heads.num_heads):
-            s, a, n = soft_ce(lg[:, : lg.shape[1] - k - 1, k], ids[:, k + 1:], ps[:, k + 1:], trainer.t2d, trainer.d2t,
-                              lm[:, k + 1:])
+            s, a, n = soft_ce(lg[:, :, k], *shifted_labels(batch, k + 1), trainer.t2d, trainer.d2t)
             total = total + (0.8 ** k) * s / n.clamp_min(1)
             agree.append(float(a / n.clamp_min(1)))
         return total, agree
