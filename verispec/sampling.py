@@ -31,6 +31,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # already reaches top_p (the first token is always kept)
         before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's range rounds to 0 and would drop every token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

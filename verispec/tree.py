@@ -26,6 +26,7 @@ forward over N positions, as `verispec roofline` measures) and an acceptance-by-
 from __future__ import annotations
 
 import heapq
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -195,15 +196,35 @@ def sort_paths(paths: Sequence[Sequence[int]]) -> list[Path]:
     return sorted({tuple(int(x) for x in p) for p in paths}, key=lambda p: (len(p), p))
 
 
+# bounds of a static tree given as paths: a node's rank asks the drafter for that many siblings and
+# every node is a row of the verification pass, so a request cannot make either unbounded
+MAX_TREE_RANK = 63
+MAX_TREE_DEPTH = 32
+MAX_TREE_NODES = 128
+
+
 def validate_paths(paths: Sequence[Sequence[int]]) -> list[Path]:
-    """Sorted, deduplicated paths; every prefix of a path must be a path too."""
+    """Sorted, deduplicated paths; every prefix of a path must be a path too; ranks, depth and node
+    count within the bounds above."""
+    try:
+        paths = [list(p) for p in paths]
+    except TypeError:
+        raise InvalidParameter("tree paths must be a list of lists of ranks, e.g. [[0],[1],[0,0]]") from None
+    for p in paths:
+        if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in p):
+            raise InvalidParameter(f"tree path {p!r} must hold integer ranks, e.g. [[0],[1],[0,0]]")
     out = sort_paths(paths)
     if not out:
         raise InvalidParameter("a static tree needs at least one path")
+    if len(out) > MAX_TREE_NODES:
+        raise InvalidParameter(f"a static tree may have at most {MAX_TREE_NODES} paths, got {len(out)}")
     have = set(out)
     for p in out:
         if not p or any(x < 0 for x in p):
             raise InvalidParameter(f"tree path {list(p)} must be a non-empty list of ranks >= 0")
+        if max(p) > MAX_TREE_RANK or len(p) > MAX_TREE_DEPTH:
+            raise InvalidParameter(f"tree path {list(p)} is out of bounds: ranks go up to {MAX_TREE_RANK} and "
+                                   f"paths up to {MAX_TREE_DEPTH} long")
         if len(p) > 1 and p[:-1] not in have:
             raise InvalidParameter(f"tree path {list(p)} has no parent path {list(p[:-1])}")
     return out
@@ -268,12 +289,12 @@ class DynamicTree:
     depth: int = 6
 
     def __post_init__(self) -> None:
-        if self.budget is not None and self.budget < 1:
-            raise InvalidParameter(f"tree budget must be >= 1, got {self.budget}")
-        if self.topk < 1:
-            raise InvalidParameter(f"tree top-k must be >= 1, got {self.topk}")
-        if self.depth < 1:
-            raise InvalidParameter(f"tree depth must be >= 1, got {self.depth}")
+        for label, value, high in (("budget", self.budget, MAX_TREE_NODES), ("top-k", self.topk, MAX_TREE_RANK + 1),
+                                   ("depth", self.depth, MAX_TREE_DEPTH)):
+            if value is None and label == "budget":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= high:
+                raise InvalidParameter(f"tree {label} must be an integer in [1, {high}], got {value!r}")
 
     def describe(self) -> str:
         b = "auto" if self.budget is None else str(self.budget)

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
 from verispec.errors import InvalidParameter
 
 
+MIN_TEMPERATURE = 1e-5
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target's distribution is shaped; the same transform is applied to the draft's.
 
-    temperature 0 means greedy. top_k 0 and top_p 1.0 mean "off".
+    temperature 0 means greedy, and so does any temperature below MIN_TEMPERATURE (as in vLLM): dividing
+    logits by a smaller one overflows to inf/nan, and the distribution it stands for is the argmax
+    anyway. top_k 0 and top_p 1.0 mean "off"; a tiny top_p keeps the most likely token. seed: an
+    integer in [SEED_MIN, SEED_MAX] (what torch.Generator takes), or None for a random one.
     """
 
     temperature: float = 0.0
@@ -23,8 +32,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise InvalidParameter(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
+                or not (0.0 <= self.temperature < math.inf):
+            raise InvalidParameter(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidParameter(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidParameter(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

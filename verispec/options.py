@@ -1,0 +1,115 @@
+"""Speculation settings: one schema (types and ranges) for the Python API, the CLI and the server.
+
+`SpeculationSettings` lists every engine option a user may choose (method, draft length, n-gram sizes,
+tree shape, backend, exact mode) with its type and range; `check_speculation(**options)` validates a
+set of them and raises InvalidParameter with one line saying what to change. build_engine runs it on
+its plain-valued arguments, the CLI runs it before loading a model, and the server's per-request
+"verispec" object is this model (plus a timeout), so a bad value gets the same answer everywhere:
+a typed exception, a one-line CLI error, a 400.
+
+Types are strict (JSON "yes" is not a boolean, "5" not an integer). Ranges bound what one request can
+cost: a draft or tree is at most a few dozen rows of one verification pass, and n-gram lookup tries at
+most 32 suffix lengths per step. Relations between options that also involve defaults (ngram_min <=
+ngram_max, a budget only for dynamic trees) are judged where the engine is built.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from verispec.errors import InvalidParameter
+from verispec.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_RANK, parse_tree
+
+MAX_DRAFT_LENGTH = 64
+MAX_NGRAM = 32
+
+_Rank = Annotated[int, Field(ge=0, le=MAX_TREE_RANK)]
+_TreePath = Annotated[list[_Rank], Field(min_length=1, max_length=MAX_TREE_DEPTH)]
+_TreePaths = Annotated[list[_TreePath], Field(min_length=1, max_length=MAX_TREE_NODES)]
+_TreeName = Annotated[str, StringConstraints(max_length=8192)]
+
+
+class SpeculationSettings(BaseModel):
+    """Engine options a user may set: for build_engine, `verispec generate` and a request's "verispec"."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: str | None = Field(None, description="ar (plain decoding), ngram, draft, eagle, medusa, ...")
+    draft_length: int | None = Field(None, ge=1, le=MAX_DRAFT_LENGTH, description="tokens drafted per step")
+    adaptive: bool | None = Field(None, description="adapt the draft length to the acceptance")
+    max_draft_length: int | None = Field(None, ge=1, le=MAX_DRAFT_LENGTH,
+                                         description="longest draft of the adaptive schedule")
+    ngram_max: int | None = Field(None, ge=1, le=MAX_NGRAM, description="longest suffix n-gram lookup matches")
+    ngram_min: int | None = Field(None, ge=1, le=MAX_NGRAM, description="shortest suffix n-gram lookup matches")
+    tree: Union[_TreeName, _TreePaths, None] = Field(
+        None, description="dynamic, static:<name> (chain4, small, medium, large, xl) or a list of paths of "
+                          "sibling ranks such as [[0],[1],[0,0]]")
+    tree_budget: Union[Annotated[int, Field(ge=1, le=MAX_TREE_NODES)], Literal["auto"], None] = Field(
+        None, description="dynamic tree: nodes verified per step, or auto")
+    tree_topk: int | None = Field(None, ge=1, le=MAX_TREE_RANK + 1, description="dynamic tree: branching")
+    tree_depth: int | None = Field(None, ge=1, le=MAX_TREE_DEPTH, description="deepest tree level")
+    backend: Literal["auto", "hf", "fast"] | None = Field(None, description="auto, hf (transformers) or fast")
+    exact: bool | None = Field(None, description="fast path: bit-identical greedy output (default: on when greedy)")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v):
+        from verispec.drafters import METHODS
+
+        if v is not None and v not in METHODS:
+            raise ValueError(f"unknown method '{v[:40]}'; use one of: {', '.join(METHODS)}")
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _readable_tree(cls, v):
+        if v is not None:
+            try:
+                parse_tree(v)
+            except InvalidParameter as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+
+def error_line(exc: ValidationError, prefix: str = "") -> tuple[str, str]:
+    """(dotted field name, one-line message) for the first problem of a pydantic ValidationError."""
+    errors = exc.errors(include_url=False)
+    first = errors[0] if errors else {}
+    # a union field reports one error per branch; the branch whose type matched says what is wrong
+    same = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    typed = [e for e in same if not e.get("type", "").endswith("_type") and e.get("type") != "literal_error"]
+    if typed:
+        first = typed[0]
+    elif len(same) > 1:  # no branch took the value's type
+        field = SpeculationSettings.model_fields.get(str(first["loc"][0]))
+        if field is not None and field.description:
+            first = {**first, "msg": f"Value error, wrong type: expected {field.description}, got {first.get('input')!r:.60}"}
+    loc = ".".join(str(p) for i, p in enumerate(first.get("loc", ())) if i == 0 or isinstance(p, int))
+    name = f"{prefix}{loc}" if loc else prefix.rstrip(".")
+    msg = str(first.get("msg", "invalid value"))
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        return name, f"unknown option '{name}'"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    else:
+        got = first.get("input")
+        shown = repr(got)
+        msg = f"{msg[0].lower()}{msg[1:]}, got {shown[:60] + '...' if len(shown) > 60 else shown}"
+    return name, f"{name}: {msg}" if name else msg
+
+
+def check_speculation(**options: Any) -> SpeculationSettings:
+    """Validate engine options (None values count as not given); InvalidParameter names the first bad one."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if isinstance(given.get("tree_budget"), str) and given["tree_budget"].strip().isdigit():
+        given["tree_budget"] = int(given["tree_budget"])  # the CLI passes --tree-budget as text
+    try:
+        return SpeculationSettings.model_validate(given)
+    except ValidationError as exc:
+        name, line = error_line(exc)
+        if line.startswith("unknown option"):
+            line += f"; use one of: {', '.join(SpeculationSettings.model_fields)}"
+        raise InvalidParameter(line) from None
