@@ -6,6 +6,7 @@ from typing import Iterator
 
 from verispec.drafters import make_drafter
 from verispec.engine import Engine, Generation, StepEvent
+from verispec.options import check_speculation
 from verispec.tree import parse_tree
 from verispec.types import SamplingParams
 
@@ -35,6 +36,12 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     """
     from verispec.models import load_model
 
+    # the plain-valued options go through the schema the CLI and the server share (verispec.options)
+    check_speculation(method=method, draft_length=draft_length, adaptive=adaptive, max_draft_length=max_draft_length,
+                      ngram_max=ngram_max, ngram_min=ngram_min, tree_budget=tree_budget, tree_topk=tree_topk,
+                      tree_depth=tree_depth, backend=backend, exact=exact,
+                      tree=[list(p) if isinstance(p, tuple) else p for p in tree] if isinstance(tree, list) else
+                      tree if isinstance(tree, str) else None)
     if isinstance(target, str):
         target = load_model(target)
     shape = parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)
