@@ -12,13 +12,15 @@ from verispec.types import SamplingParams
 
 TREE_OPTIONS = ("tree", "tree_budget", "tree_topk", "tree_depth", "verify_cost")
 BACKEND_OPTIONS = ("backend", "exact", "compile")
+SUFFIX_OPTIONS = ("suffix_cache", "suffix_alpha", "suffix_min_prob", "suffix_depth")
 
 
 def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, adaptive: bool = False,
                  ngram_max: int = 3, ngram_min: int = 1, max_draft_length: int = 16, *, tree=None,
                  tree_budget: int | str | None = None, tree_topk: int | None = None, tree_depth: int | None = None,
                  verify_cost: dict[int, float] | None = None, backend: str = "auto", exact: bool | None = None,
-                 compile: bool = False, runner=None, head=None) -> Engine:
+                 compile: bool = False, runner=None, head=None, suffix_cache="global", suffix_alpha: float = 1.0,
+                 suffix_min_prob: float = 0.1, suffix_depth: int = 24) -> Engine:
     """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS.
 
     Trees (methods ngram and draft): tree = "dynamic", "static:<name>" (names in tree.STATIC_TREES),
@@ -33,6 +35,10 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     runner: reuse the runner of an earlier engine built with the same backend/exact/compile (a fast
     runner holds a copy of the fused weights and a KV cache; servers keep a few and pass them in).
     head (methods eagle, medusa): a trained head folder (verispec train); None = the one shipped for the target.
+    suffix_* (method suffix, verispec/drafters/suffix.py): suffix_cache "global" (the model's cross-request
+    cache, shared by every engine in the process), "private" (this engine's own), "off", or a SuffixCache;
+    suffix_alpha (at most alpha * match length tokens speculated), suffix_min_prob (smallest path score
+    proposed), suffix_depth (deepest indexed substring).
     """
     from verispec.models import load_model
 
@@ -40,13 +46,16 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     check_speculation(method=method, draft_length=draft_length, adaptive=adaptive, max_draft_length=max_draft_length,
                       ngram_max=ngram_max, ngram_min=ngram_min, tree_budget=tree_budget, tree_topk=tree_topk,
                       tree_depth=tree_depth, backend=backend, exact=exact,
+                      suffix_cache=suffix_cache if isinstance(suffix_cache, str) else None, suffix_alpha=suffix_alpha,
+                      suffix_min_prob=suffix_min_prob, suffix_depth=suffix_depth,
                       tree=[list(p) if isinstance(p, tuple) else p for p in tree] if isinstance(tree, list) else
                       tree if isinstance(tree, str) else None)
     if isinstance(target, str):
         target = load_model(target)
     shape = parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)
     drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min, backend=backend,
-                           **({"head": head} if head is not None else {}))
+                           suffix_cache=suffix_cache, suffix_alpha=suffix_alpha, suffix_min_prob=suffix_min_prob,
+                           suffix_depth=suffix_depth, **({"head": head} if head is not None else {}))
     return Engine.for_model(target, drafter, draft_length=draft_length, adaptive=adaptive,
                             max_draft_length=max_draft_length, method=method, tree=shape, verify_cost=verify_cost,
                             backend=backend, runner_options={"exact": exact, "compile": compile}, runner=runner)
@@ -67,7 +76,7 @@ def stream(target, prompt: str | None = None, *, chat=None, method: str = "ar", 
     if isinstance(target, str):
         target = load_model(target)
     params = _params(temperature, top_k, top_p, seed, max_new_tokens, stop)
-    unknown = set(tree_options) - set(TREE_OPTIONS) - set(BACKEND_OPTIONS)
+    unknown = set(tree_options) - set(TREE_OPTIONS) - set(BACKEND_OPTIONS) - set(SUFFIX_OPTIONS)
     if unknown:
         raise TypeError(f"stream() got unexpected keyword arguments {sorted(unknown)}")
     engine = build_engine(target, method, draft, draft_length, adaptive, ngram_max, ngram_min, **tree_options)
@@ -86,7 +95,7 @@ def generate(target, prompt: str | None = None, **kwargs) -> Generation:
 
     if isinstance(target, str):
         target = load_model(target)
-    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min", "head") + TREE_OPTIONS + BACKEND_OPTIONS}
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min", "head") + TREE_OPTIONS + BACKEND_OPTIONS + SUFFIX_OPTIONS}
     chat = kwargs.pop("chat", None)
     params = _params(**kwargs)
     engine = build_engine(target, **opts)

@@ -52,6 +52,12 @@ class SpeculationSettings(BaseModel):
     tree_depth: int | None = Field(None, ge=1, le=MAX_TREE_DEPTH, description="deepest tree level")
     backend: Literal["auto", "hf", "fast"] | None = Field(None, description="auto, hf (transformers) or fast")
     exact: bool | None = Field(None, description="fast path: bit-identical greedy output (default: on when greedy)")
+    # method suffix (verispec/drafters/suffix.py); the trie depth bounds one request's index to depth x tokens nodes
+    suffix_cache: Literal["global", "private", "off"] | None = Field(
+        None, description="suffix: cross-request cache global (shared per model), private or off")
+    suffix_alpha: float | None = Field(None, gt=0, le=64, description="suffix: at most alpha x match length tokens drafted")
+    suffix_min_prob: float | None = Field(None, ge=0, le=1, description="suffix: smallest path score drafted")
+    suffix_depth: int | None = Field(None, ge=2, le=64, description="suffix: longest indexed substring")
 
     @field_validator("method")
     @classmethod

@@ -34,6 +34,14 @@ def _draft(target, draft=None, backend: str = "hf", **_):
     return DraftModelDrafter(draft.model, target.vocab_size, runner=runner)
 
 
+def _suffix(target, suffix_cache="global", suffix_alpha: float = 1.0, suffix_min_prob: float = 0.1,
+            suffix_depth: int = 24, **_):
+    from verispec.drafters.suffix import make_suffix_drafter
+
+    return make_suffix_drafter(target.name, cache=suffix_cache, alpha=suffix_alpha, min_prob=suffix_min_prob,
+                               depth=suffix_depth)
+
+
 def _eagle(target, head=None, **_):
     from verispec.drafters.eagle import EagleDrafter
 
@@ -50,6 +58,7 @@ def _medusa(target, head=None, **_):
 METHODS: dict[str, Callable] = {"ar": _ar, "ngram": _ngram, "draft": _draft}
 METHODS["eagle"] = _eagle
 METHODS["medusa"] = _medusa
+METHODS["suffix"] = _suffix
 
 
 def make_drafter(method: str, target, **options) -> Drafter | None:
