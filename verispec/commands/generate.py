@@ -28,11 +28,15 @@ def generate(
     chat: Optional[str] = typer.Option(None, "--chat", "-c", help="A user chat message, wrapped in the model's chat template."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt (UTF-8) from a file."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
-    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model)."),
+    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model), eagle, medusa, suffix (suffix decoding)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft."),
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Tokens drafted per step."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length: longer after a full accept, shorter after a rejection."),
     ngram_max: int = typer.Option(3, "--ngram-max", help="Longest suffix the n-gram drafter matches."),
+    suffix_cache: Optional[str] = typer.Option(None, "--suffix-cache", help="Method suffix: cross-request cache of earlier outputs: global (default), private or off."),
+    suffix_alpha: Optional[float] = typer.Option(None, "--suffix-alpha", help="Method suffix: at most alpha x match length tokens drafted (default 1.0)."),
+    suffix_min_prob: Optional[float] = typer.Option(None, "--suffix-min-prob", help="Method suffix: smallest path score drafted (default 0.1)."),
+    suffix_depth: Optional[int] = typer.Option(None, "--suffix-depth", help="Method suffix: longest indexed substring (default 24)."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     top_p: float = typer.Option(1.0, "--top-p", help="1 = off."),
@@ -74,9 +78,16 @@ def generate(
 
     parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)  # bad tree options fail before loading
     tree_opts = {"tree": tree, "tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree else {}
+    suffix_opts = {k: v for k, v in {"suffix_cache": suffix_cache, "suffix_alpha": suffix_alpha,
+                                     "suffix_min_prob": suffix_min_prob, "suffix_depth": suffix_depth}.items() if v is not None}
+    if suffix_opts:
+        from verispec.options import check_speculation
+
+        check_speculation(method=method, **suffix_opts)  # bad values fail before the model loads
     target = load_model(model, dtype=dtype, device=device)
     ids = target.encode(prompt=text, chat=chat)
-    engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max, **fast, **tree_opts)
+    engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max,
+                          **fast, **tree_opts, **suffix_opts)
     for event in engine.stream(ids, params):
         if not quiet:
             out.print(event.text, end="", markup=False)
