@@ -24,6 +24,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 log = logging.getLogger(__name__)
 
 
+def check_unicode(text) -> None:
+    """Tokenizers take valid Unicode only: a lone surrogate (JSON "\\ud800", or bytes a command line
+    could not decode) becomes InvalidPrompt here instead of an error from inside the tokenizer."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidPrompt(f"the prompt holds a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+                                f"{exc.start}, which is not valid Unicode; send valid UTF-8 text") from None
+
+
 @dataclass
 class LoadedModel:
     """A causal LM ready for the engine: the transformers model, its tokenizer and where it came from."""
@@ -58,6 +69,8 @@ class LoadedModel:
         the tokenizer's chat template."""
         if (prompt is None) == (chat is None):
             raise InvalidPrompt("give either a prompt or a chat message, not both or neither")
+        for text in [prompt] if chat is None else [chat] if isinstance(chat, str) else [m.get("content") for m in chat]:
+            check_unicode(text)
         if chat is not None:
             messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else list(chat)
             if not messages or not any(str(m.get("content", "")).strip() for m in messages):
