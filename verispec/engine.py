@@ -31,6 +31,9 @@ from verispec.tree import (DynamicTree, RankAcceptance, StaticTree, TreeLayout, 
 from verispec.tree_acceptance import greedy_tree_verify, tree_speculative_verify
 from verispec.types import Proposal, SamplingParams, StepResult
 
+# prompt tokens per prefill chunk where the runner has no chunk size of its own (transformers)
+PREFILL_CHUNK = 256
+
 
 @dataclass
 class StepEvent:
@@ -50,7 +53,8 @@ class Generation:
     token_ids: list[int]
     prompt_ids: list[int]
     stats: SpecStats
-    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or context window)
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or context window),
+    #                     "cancelled" (Engine.stream's should_stop said so)
     kinds: list[str] = field(default_factory=list)
 
 
@@ -151,8 +155,36 @@ class Engine:
         probs = logits_to_probs(logits, params)
         return speculative_verify(draft, proposal.draft_probs if proposal is not None else None, probs, generator)
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepEvent]:
-        """Yield a StepEvent per verification step; the finished Generation is then in self.last."""
+    def prefill(self, ids: list[int], should_stop: Callable[[], bool] | None = None):
+        """Feed `ids` into the target's cache -> (stopped, the features of every position or None).
+
+        With should_stop, the prompt goes in chunks and should_stop() is asked between them (True: stop
+        now), so a timeout or a gone client stops a long prompt within one chunk. The chunks are the
+        runner's own prefill passes (FastRunner.prefill_chunk), so the cache gets the same values as one
+        call gives; without should_stop it is one call, as it always was.
+        """
+        chunk = len(ids) if should_stop is None else getattr(self.runner, "prefill_chunk", None) or PREFILL_CHUNK
+        features = []
+        for start in range(0, len(ids), chunk):
+            if start and should_stop():
+                return True, None
+            self.runner.forward(ids[start:start + chunk], last_only=True)
+            if self.runner_features():
+                features.append(self.runner.last_features)
+        if not features:
+            return False, None
+        return False, features[0] if len(features) == 1 else torch.cat(features, dim=0)
+
+    def runner_features(self) -> bool:
+        return bool(getattr(self.runner, "feature_layers", None))
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               should_stop: Callable[[], bool] | None = None) -> Iterator[StepEvent]:
+        """Yield a StepEvent per verification step; the finished Generation is then in self.last.
+
+        should_stop (a server's deadline or disconnect check) is asked between prefill chunks and
+        between steps; when it returns True the generation ends with finish_reason "cancelled".
+        """
         if not prompt_ids:
             raise InvalidPrompt("the prompt is empty; give some text")
         if len(prompt_ids) >= self.context_length:
@@ -182,15 +214,21 @@ class Engine:
                 raise InvalidParameter(f"the '{self.drafter.name}' drafter needs the target's hidden features, "
                                        "which this backend does not expose")
             self.runner.feature_layers = tuple(self.drafter.feature_layers) if features else None
+        prompt_features = None
         if len(context) > 1:
-            self.runner.forward(context[:-1], last_only=True)
+            stopped, prompt_features = self.prefill(context[:-1], should_stop)
+            if stopped:
+                finish = "cancelled"
         stats.prefill_time = time.perf_counter() - t_start
-        if self.drafter is not None:
+        if self.drafter is not None and not finish:
             self.drafter.begin(context, params, generator)
             if features and len(context) > 1:
-                self.drafter.observe_features(self.runner.last_features)
+                self.drafter.observe_features(prompt_features)
 
         while not finish:
+            if should_stop is not None and should_stop():
+                finish = "cancelled"
+                break
             room = min(params.max_new_tokens - len(out), self.context_length - len(context))
             k = min(schedule.length, room - 1)  # a step commits accepted + 1 tokens
             t0 = time.perf_counter()
