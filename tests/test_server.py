@@ -45,8 +45,8 @@ class _SlowEngine:
     def verify_cost(self):
         return self.engine.verify_cost
 
-    def stream(self, ids, params):
-        inner = self.engine.stream(ids, params)
+    def stream(self, ids, params, **kw):
+        inner = self.engine.stream(ids, params, **kw)
         try:
             for event in inner:
                 STEPS["n"] += 1
@@ -58,7 +58,7 @@ class _SlowEngine:
 
 
 def _factory(target, **options):
-    if options.get("ngram_max") == 99:  # lets a test provoke an unexpected internal error
+    if options.get("ngram_max") == 31:  # lets a test provoke an unexpected internal error (a valid value)
         raise RuntimeError("secret internal detail /etc/passwd")
     return _SlowEngine(build_engine(target, **options))
 
@@ -93,7 +93,7 @@ def auth():
 
 
 def metric(server, name: str, labels: str = "") -> float:
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=auth()).text  # /metrics needs the key when one is set
     m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -210,7 +210,7 @@ def test_page_health_and_metrics(server, client):
     assert info["api_key_required"] is True and "ngram" in info["methods"] and "draft" not in info["methods"]
     before = metric(server, "verispec_generated_tokens_total")
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=auth()).text
     assert metric(server, "verispec_generated_tokens_total") == before + 5
     for name in ("verispec_requests_total", "verispec_drafted_tokens_total", "verispec_accepted_tokens_total",
                  "verispec_mean_accepted_length", "verispec_acceptance_by_position",
@@ -334,7 +334,7 @@ def test_unsupported_fields_and_routes(server, client):
 
 def test_internal_error_is_generic(server, client):
     r = httpx.post(server.url + "/v1/chat/completions", headers=auth(),
-                   json={"model": MODEL, "messages": CHAT, "verispec": {"ngram_max": 99}})
+                   json={"model": MODEL, "messages": CHAT, "verispec": {"ngram_max": 31}})
     err = _error(r, 500, "internal_error")
     assert "secret" not in r.text and "passwd" not in r.text and err["type"] == "server_error"
     assert_alive(client)

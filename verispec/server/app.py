@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible endpoints over one loaded model, /metrics, and the live page.
 
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> server-sent events)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics, /verispec/info, /
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /verispec/info, /openapi.json, /
     POST /v1/verispec/race                            (extension: several methods, same prompt)
 
 Every request builds its own Engine with verispec.api.build_engine (cheap: the target model is loaded
@@ -9,6 +9,13 @@ once; an engine holds a KV cache and a small drafter), then waits in the fair FI
 scheduler.Scheduler for an engine thread. Speculation settings come from the server's defaults,
 overridden per request by the extension object "verispec" in the body; statistics go back in a
 "verispec" field of every response and stream chunk (OpenAI clients ignore unknown fields).
+
+Hardening (what a hostile or careless client cannot do): the Host header must name an allowed host
+(DNS rebinding cannot reach a loopback server from a web page); with an API key, /v1 and /metrics
+need it (/verispec/info stays open: the page reads it before a key is typed, and it holds the model
+name, methods, defaults and limits, nothing more); every failure, an unexpected exception included,
+ends as an OpenAI error object on a connection that stays usable; the prompt is limited well under
+the context by default and its prefill is stopped between chunks by a timeout or a disconnect.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import hmac
 import inspect
 import json
 import logging
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -33,6 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from verispec.api import build_engine
 from verispec.drafters import METHODS
 from verispec.errors import VerispecError
+from verispec.options import SpeculationSettings
 from verispec.server import errors
 from verispec.server.errors import APIError, verispec_error
 from verispec.server.metrics import ServerMetrics
@@ -62,13 +71,29 @@ class ServerConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)  # more build_engine defaults
     default_max_tokens: int = 256
     max_tokens: int = 2048
-    max_prompt_tokens: int | None = None   # None: the model's context length - 1
+    # a prompt's prefill holds a worker (2,000 tokens of SmolLM2-135M: seconds on a 2-core CPU), so the
+    # default stays well under the context; None: the model's context length - 1
+    max_prompt_tokens: int | None = 2048
     max_body_bytes: int = 1 << 20
     max_queue: int = 16
     timeout: float = 300.0                 # seconds from arrival to the last token, queue wait included
     api_key: str | None = None
     workers: int = 1
     keep_runners: int = 2                  # idle runners kept per runner configuration (see work.RunnerPool)
+    # Host header values answered (any port); "*" = any. Loopback names by default, so a web page cannot
+    # reach a keyless local server through DNS rebinding
+    allowed_hosts: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header without its port: "[::1]:8000" -> "::1", "a.b:80" -> "a.b"."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
 
 
 def _engine_keywords(factory) -> set[str]:
@@ -77,10 +102,14 @@ def _engine_keywords(factory) -> set[str]:
 
 
 class _Guard:
-    """ASGI middleware: API key on /v1, body size limit (declared and actual), per-request metrics.
+    """ASGI middleware: allowed hosts, API key on /v1 and /metrics, body size limit (declared and
+    actual), per-request metrics, and the last word on unexpected exceptions.
 
     The body is read here up to the limit and replayed to the app, so a chunked body without a
-    Content-Length cannot slip past the limit.
+    Content-Length cannot slip past the limit. An exception that escapes the app is answered here with
+    a generic 500 OpenAI error (or, when the response had started, the body is ended) and not passed on:
+    uvicorn would otherwise drop the keep-alive connection without a `Connection: close`, and the
+    client's next request on it would fail.
     """
 
     ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/verispec/race",
@@ -105,21 +134,49 @@ class _Guard:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 self.metrics.request_done(endpoint, status["code"], time.monotonic() - t0)
 
-        err = self._check_key(scope, path)
-        if err is None:
-            err, receive = await self._check_body(scope, receive)
-        if err is not None:
-            headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-            return await err.response(headers)(scope, receive, counted_send)
+        started = {"yes": False, "done": False}
+
+        async def tracked_send(message):
+            if message["type"] == "http.response.start":
+                started["yes"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                started["done"] = True
+            await counted_send(message)
+
         try:
-            await self.app(scope, receive, counted_send)
+            err = self._check_host(scope) or self._check_key(scope, path)
+            if err is None:
+                err, receive = await self._check_body(scope, receive)
+            if err is not None:
+                headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+                return await err.response(headers)(scope, receive, tracked_send)
+            await self.app(scope, receive, tracked_send)
         except Exception:
-            if status["code"] == 500:  # the app's 500 handler answered; count it (it re-raises to log)
-                self.metrics.request_done(endpoint, 500)
-            raise
+            log.exception("unhandled error on %s %s", scope.get("method"), path)
+            if not started["yes"]:
+                await errors.internal_error().response()(scope, receive, tracked_send)
+            elif not started["done"]:  # mid-stream: end the body so the connection stays in a known state
+                try:
+                    await tracked_send({"type": "http.response.body", "body": b"", "more_body": False})
+                except Exception:  # noqa: BLE001 - the client is gone; nothing more to do
+                    pass
+
+    def _check_host(self, scope) -> APIError | None:
+        allowed = self.config.allowed_hosts
+        if "*" in allowed:
+            return None
+        raw = dict(scope.get("headers") or []).get(b"host")
+        if raw is None:  # HTTP/1.0 without Host: not a browser, so not DNS rebinding
+            return None
+        host = host_name(raw.decode("latin-1"))
+        if host in {h.lower() for h in allowed}:
+            return None
+        return APIError(400, f"this server does not answer to the host '{host[:100]}'; use one of "
+                             f"{', '.join(allowed)} (or start it with --allowed-host {host[:100] or 'NAME'})",
+                        code="invalid_host")
 
     def _check_key(self, scope, path: str) -> APIError | None:
-        if not self.config.api_key or not path.startswith("/v1"):
+        if not self.config.api_key or not (path.startswith("/v1") or path == "/metrics"):
             return None
         auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
@@ -191,7 +248,9 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
     name = config.model_name or target.name
     max_prompt = min(config.max_prompt_tokens or target.context_length - 1, target.context_length - 1)
     factory = engine_factory or build_engine
-    allowed = _engine_keywords(build_engine if engine_factory is None else _signature_source(engine_factory))
+    # the options a request may set: the shared schema's (verispec.options), where the factory takes them
+    allowed = set(SpeculationSettings.model_fields) & _engine_keywords(
+        build_engine if engine_factory is None else _signature_source(engine_factory))
     metrics = ServerMetrics()
     pool = RunnerPool(factory, keep=config.keep_runners)
     metrics.runners = lambda: pool.built
@@ -209,7 +268,9 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
         finally:
             scheduler.close()
 
-    app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes the API for clients' tools (and the fuzz test); no docs pages are served
+    app = FastAPI(title="verispec", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.metrics = metrics
     app.state.config = config
     errors.install(app)
@@ -237,7 +298,8 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
                                   top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed,
                                   max_new_tokens=n, stop=tuple(stop or ()))
         except VerispecError as exc:
-            raise verispec_error(exc) from exc
+            word = str(exc).split(" ", 1)[0]  # the messages start with the parameter's name
+            raise verispec_error(exc, word if word in ("temperature", "top_p", "top_k", "seed") else None) from exc
 
     def engine_options(opts: SpeculationOptions | None, param: str = "verispec") -> dict:
         """The server's defaults overridden by the request's extension object, checked by name here;
@@ -256,8 +318,8 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
                     raise APIError(400, f"'{key}' is a server setting and cannot be set per request",
                                    param=f"{param}.{key}", code="invalid_value")
                 if key not in allowed:
-                    raise APIError(400, f"unknown speculation option '{key}'; use one of: {', '.join(sorted(allowed))}",
-                                   param=f"{param}.{key}", code="invalid_value")
+                    raise APIError(400, f"unknown speculation option '{key[:60]}'; use one of: "
+                                        f"{', '.join(sorted(allowed))}", param=f"{param}.{key[:60]}", code="invalid_value")
             options.update(requested)
         method = options.get("method")
         if method not in METHODS:
@@ -275,9 +337,9 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
             return pool.build(target, draft, options)
         except VerispecError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
-        except TypeError as exc:  # a JSON value of the wrong type reached an engine option
-            raise APIError(400, f"invalid speculation options {options}: {exc}", param=param,
-                           code="invalid_value") from exc
+        except TypeError as exc:  # a custom engine factory refused an option the schema let through
+            raise APIError(400, "these speculation options are not accepted by this server's engine: "
+                                f"{', '.join(sorted(options))[:300]}", param=param, code="invalid_value") from exc
 
     def generation_work(options: dict, ids: list[int], params: SamplingParams) -> Callable[[Job], None]:
         def work(job: Job) -> None:
@@ -312,8 +374,13 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
             scheduler.submit(job)
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}; retry in a few seconds", type="rate_limit_error",
-                           code="queue_full") from exc
+                           code="queue_full", headers={"Retry-After": str(retry_after())}) from exc
         return job
+
+    def retry_after() -> int:
+        """Seconds until a place in the queue is likely free: the mean time of a served request, 1 to 60."""
+        mean = metrics.latency.sum / metrics.latency.count if metrics.latency.count else 1.0
+        return int(min(60, max(1, math.ceil(mean))))
 
     def timeout_error(job: Job) -> APIError:
         return APIError(504, f"the request took longer than the server's limit of {job.timeout:g} s; ask for "

@@ -25,34 +25,66 @@ class APIError(Exception):
     expected = True  # raised on purpose for a bad request: no traceback in the server log
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers={**self.headers, **(headers or {})})
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal server error; the server log has the details", type="server_error",
+                    code="internal_error")
+
+
+def _first_problem(errors: list[dict]) -> dict:
+    """The error to report. A union field (a prompt that is a string or a list of ids) reports one
+    error per branch; a branch that took the value's type says what is wrong, a bare type mismatch
+    says least."""
+    first = errors[0] if errors else {}
+    field = first.get("loc", ())[:2]
+    same = [e for e in errors if e.get("loc", ())[:2] == field]
+    telling = [e for e in same if not str(e.get("type", "")).endswith("_type") and e.get("type") != "literal_error"
+               and e.get("type") != "union_tag_invalid"]
+    if telling:
+        return telling[0]
+    if len(same) > 1:  # no branch of a union took the value: say what the field takes
+        from verispec.options import SpeculationSettings
+
+        loc = [p for p in first.get("loc", ()) if isinstance(p, str) and p.isidentifier()]
+        spec = SpeculationSettings.model_fields.get(loc[-1]) if loc and loc[0] == "body" and len(loc) > 2 else None
+        what = f"expected {spec.description}" if spec is not None and spec.description else "see /openapi.json"
+        return {**first, "msg": f"wrong type ({what})"}
+    return first
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    first = _first_problem(errors)
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return APIError(400, f"the request body is not valid JSON ({ctx.get('error', 'parse error')}); send a JSON object",
                         code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # union branches show in the location as type names ("list[int]"); keep field names and indices
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
     param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
+    msg = str(first.get("msg", "invalid request"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
     if first.get("type") == "missing":
         message = f"the field '{param}' is required" if param else "the request body is missing; send a JSON object"
     elif first.get("type") in ("model_attributes_type", "dict_type") and not loc:
         message = "the request body must be a JSON object"
+    elif first.get("type") == "extra_forbidden":
+        message = f"unknown field '{param}'; leave it out"
     else:
         message = f"invalid value for '{param}': {msg}" if param else msg
-    extra = len(errors) - 1
+    extra = len({tuple(e.get("loc", ())[:2]) for e in errors}) - 1  # fields, not union branches
     if extra > 0:
         message += f" (and {extra} more problem{'s' if extra > 1 else ''})"
     return APIError(400, message, param=param, code="invalid_value" if first.get("type") != "missing" else "missing_field")
@@ -93,7 +125,6 @@ def install(app: FastAPI) -> None:
         return verispec_error(exc).response()
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
+    async def _internal(request: Request, exc: Exception):  # the app's _Guard normally answers these first
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "internal server error; the server log has the details", type="server_error",
-                        code="internal_error").response()
+        return internal_error().response()

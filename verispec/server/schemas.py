@@ -4,31 +4,31 @@ Ranges that do not depend on the server's configuration are checked here (temper
 OpenAI documents it, top_p in (0, 1], n >= 1); limits that do (max_tokens, prompt length) are checked
 in the app. Unknown top-level fields are ignored, as OpenAI-compatible servers usually do, except
 those that would silently change the output (logprobs, penalties, tools, ...): those are refused.
-Speculation settings travel in the extension object "verispec" (openai client: extra_body=).
+Speculation settings travel in the extension object "verispec" (openai client: extra_body=), whose
+fields, types and ranges are verispec.options.SpeculationSettings, the schema the CLI and the Python
+API check with too.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from verispec.options import SpeculationSettings
 
 
-class SpeculationOptions(BaseModel):
-    """The "verispec" extension object of a request.
+class SpeculationOptions(SpeculationSettings):
+    """The "verispec" extension object of a request: the shared speculation settings, plus a timeout
+    that can only shorten the server's per-request timeout.
 
-    method/draft_length/adaptive/... are engine options: every keyword that
-    verispec.api.build_engine takes is accepted (extra fields are kept and checked against its
-    signature at request time), so options added to the engine later work without a server change.
-    timeout can only shorten the server's per-request timeout.
+    Other fields are kept (extra="allow") only so that the app can answer them precisely: a server
+    setting (draft, head, compile, ...) or an unknown option, each a 400 naming the field.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    method: str | None = None
-    draft_length: int | None = Field(None, ge=1, le=64)
-    adaptive: bool | None = None
-    timeout: float | None = Field(None, gt=0)
+    timeout: float | None = Field(None, gt=0, description="seconds; can only shorten the server's limit")
 
     def engine_options(self) -> dict[str, Any]:
         opts = {k: v for k, v in self.model_dump(exclude={"timeout"}).items() if v is not None}
@@ -126,11 +126,19 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int]]
+    prompt: Union[str, list[str], list[StrictInt]]   # token ids are integers: [true] is not [1]
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        if isinstance(v, list) and not (all(isinstance(p, str) for p in v) or
+                                        all(isinstance(p, int) and not isinstance(p, bool) for p in v)):
+            raise ValueError("the prompt must be a string, a list of one string, or a list of integer token ids")
+        return v
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()

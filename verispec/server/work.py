@@ -1,5 +1,7 @@
 """What an engine thread does for a request: run a generation (or a race of several) step by step,
-report each step to the event loop, and stop between steps when the job is cancelled.
+report each step to the event loop, and stop when the job is cancelled: between steps, and between
+the prompt's prefill chunks (Engine.stream's should_stop), so a long prompt cannot hold a worker
+past its deadline or its client.
 
 Each step's tokens are also decoded one by one ("pieces") so the page can colour every token by how
 it was produced; the OpenAI text delta alone cannot say which characters came from which token.
@@ -108,7 +110,7 @@ def run_generation(job: Job, engine, prompt_ids: list[int], params, decode, metr
     """Stream one generation: emits ("step", (event, pieces)) per step, then ("done", Generation) or
     ("cancelled", reason)."""
     pieces = PieceDecoder(decode)
-    stream = engine.stream(prompt_ids, params)
+    stream = engine.stream(prompt_ids, params, should_stop=lambda: job.stop_reason() is not None)
     reason = None
     try:
         for event in stream:
@@ -119,6 +121,8 @@ def run_generation(job: Job, engine, prompt_ids: list[int], params, decode, metr
                 break
     finally:
         stream.close()  # stops the engine's generator: no further target forwards
+    if reason is None and engine.last is not None and engine.last.finish_reason == "cancelled":
+        reason = job.stop_reason() or "timeout"  # stopped inside the engine (during the prefill)
     if reason is not None:
         metrics.cancel(reason)
         job.emit("cancelled", reason)
@@ -136,7 +140,8 @@ def run_race(job: Job, engines: list, prompt_ids: list[int], params, decode, met
     elapsed)), ("lane_done", (lane, Generation, elapsed)) per lane, then ("done", None) or
     ("cancelled", reason).
     """
-    streams = [engine.stream(prompt_ids, params) for engine in engines]
+    stop = lambda: job.stop_reason() is not None  # noqa: E731
+    streams = [engine.stream(prompt_ids, params, should_stop=stop) for engine in engines]
     decoders = [PieceDecoder(decode) for _ in engines]
     clocks = [0.0] * len(engines)
     live = set(range(len(engines)))
@@ -149,6 +154,9 @@ def run_race(job: Job, engines: list, prompt_ids: list[int], params, decode, met
                 event = next(streams[lane])
             except StopIteration:
                 clocks[lane] += time.perf_counter() - t0
+                if engines[lane].last.finish_reason == "cancelled":
+                    reason = job.stop_reason() or "timeout"
+                    break
                 live.discard(lane)
                 metrics.generation_done(engines[lane].last.stats)
                 job.emit("lane_done", (lane, engines[lane].last, clocks[lane]))
