@@ -127,7 +127,10 @@ class Engine:
 
         # slack past the context for tree nodes that share the last positions
         if runner is None:  # else: a runner reused from an earlier engine (it is reset per generation)
-            runner = make_runner(target.model, backend, capacity=target.context_length + 256, **(runner_options or {}))
+            # the loaded model's weights format and its file's own weights (fast/quant.py), unless overridden
+            opts = {"weights": getattr(target, "weights", "auto"), "weight_source": getattr(target, "weight_source", None),
+                    **{k: v for k, v in (runner_options or {}).items() if v is not None or k != "weights"}}
+            runner = make_runner(target.model, backend, capacity=target.context_length + 256, **opts)
         return cls(runner, target.eos_token_ids, target.decode, target.context_length,
                    drafter=drafter, device=target.device, **kwargs)
 

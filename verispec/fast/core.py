@@ -123,6 +123,14 @@ def fused(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
     return w, b
 
 
+def projection_names(i: int) -> dict[str, tuple[str, ...]]:
+    """The transformers parameter names each fused projection of layer i is made of (Llama and Gemma 3
+    name them alike), so that a weight source (a GGUF's own blocks) can be asked for them."""
+    at, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    return {"wqkv": tuple(f"{at}.{p}_proj.weight" for p in "qkv"), "wo": (f"{at}.o_proj.weight",),
+            "wgu": (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), "wdown": (f"{mlp}.down_proj.weight",)}
+
+
 def rope_of(rotary: torch.nn.Module, prefix: str = "") -> tuple[torch.Tensor, float]:
     """inv_freq and attention scaling from a loaded transformers rotary module (so every rope type its
     init functions know, llama3 / linear / yarn scaling included, comes for free)."""

@@ -4,20 +4,26 @@ A family module (llama.py, gemma3.py) only says how to read the weights of a loa
 and what differs per layer (sliding window, rotary table); this class runs them. Weights are shared
 with the transformers model (no copy), except q/k/v and gate/up, which are concatenated once so each
 becomes a single GEMM, and, on CPU, the projection and LM-head weights, which are prepacked once for
-oneDNN's linear kernel (packed.py: 2-3x faster GEMVs there; a copy of those weights).
+oneDNN's linear kernel (packed.py: 2-3x faster GEMVs there; a copy of those weights), or, with
+`weights="q8"|"q4"`, quantized for PyTorch's weight-only int8 / int4 kernels (quant.py), from a GGUF's own
+4-bit blocks where a weight source gives them (models/gguf_weights.py).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import canonical, packed, row_invariance
+from verispec.fast import canonical, packed, quant, row_invariance
 from verispec.fast.core import Arch, layer_step, rms_norm, rope_tables
 
 PROJECTIONS = ("wqkv", "wo", "wgu", "wdown")
+
+log = logging.getLogger(__name__)
 
 # exact mode's row floors (row_invariance.py) are a property of kernels and shapes, not of weights: probed
 # once per process for each setting, not once per runner (the probe takes ~0.5-1 s on SmolLM2)
@@ -32,18 +38,42 @@ class FastDecoder:
     def __init__(self, arch: Arch, embed: torch.Tensor, layers: list[dict], final_norm: torch.Tensor,
                  lm_head: torch.Tensor, windows: list[int | None], rope_keys: list[str],
                  ropes: dict[str, tuple[torch.Tensor, float]], embed_scale: float | None = None,
-                 final_softcap: float | None = None, max_positions: int = 2048):
+                 final_softcap: float | None = None, max_positions: int = 2048, weights: str = "bf16",
+                 names: list[dict[str, tuple[str, ...]]] | None = None, lm_head_name: str = "lm_head.weight",
+                 weight_source: Callable | None = None):
+        """weights: "bf16" (the model's dense weights, packed where packed.py can), "q8" or "q4" (quant.py;
+        falls back to "bf16" where quant.available says no, see `weights_note`). names: per layer, the
+        transformers parameter names each projection is made of (wqkv: q, k, v); weight_source(name) ->
+        quant.Groups, a float32 tensor or None (the file's own weights; None: the model's)."""
         self.arch = arch
+        self.dtype, self.device = embed.dtype, embed.device
         pack, self.linear = packed.linear_for(embed.dtype, embed.device)
+        self.weights, self.weights_note = "bf16", None
+        if weights not in quant.FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(quant.FORMATS)}, got {weights!r}")
+        if weights != "bf16":
+            self.weights_note = quant.available(weights, embed.dtype, embed.device)
+            if self.weights_note is None:
+                self.weights, self.linear = weights, quant.linear
+            else:
+                log.warning("--weights %s unavailable: %s; running the dense %s weights", weights, self.weights_note,
+                            str(embed.dtype).replace("torch.", ""))
         self.packed = self.linear is not F.linear
-        self._pack = pack
         self._probe_shapes = tuple(tuple(layers[0][k].shape) for k in PROJECTIONS) + (tuple(lm_head.shape),)
-        layers = [{k: pack(t) if k in PROJECTIONS else t for k, t in lw.items()} for lw in layers]
-        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, pack(lm_head)
+        if self.weights == "bf16":
+            self._pack = pack
+            layers = [{k: pack(t) if k in PROJECTIONS else t for k, t in lw.items()} for lw in layers]
+            lm_head = pack(lm_head)
+        else:
+            self._kinds: dict[tuple, str] = {}  # shape -> the format its weights got (the probe runs the same)
+            layers = [{k: self._quantize(t, names[i][k] if names else (), weight_source) if k in PROJECTIONS else t
+                       for k, t in lw.items()} for i, lw in enumerate(layers)]
+            lm_head = self._quantize(lm_head, (lm_head_name,), weight_source)
+            self._pack = lambda w: quant.prepare(w, self._kinds[tuple(w.shape)], embed.dtype)
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.windows, self.rope_keys, self.ropes = windows, rope_keys, ropes
         self.embed_scale, self.final_softcap = embed_scale, final_softcap
         self.max_positions = max_positions
-        self.dtype, self.device = embed.dtype, embed.device
         # bfloat16 attention on CPU runs 3-4x slower than float32 at decode shapes (measured 2026-12-03,
         # torch 2.13, T=1 over 256 slots: 183 us vs 45 us per layer); the keys and values are the model
         # dtype's values stored exactly in float32, so only the attention arithmetic is wider
@@ -51,6 +81,22 @@ class FastDecoder:
         self.cache_dtype = torch.float32 if cpu_bf16 else self.dtype
         self._step = functools.partial(layer_step, a=arch, linear=self.linear)
         self._compiled = None
+
+    def _quantize(self, dense: torch.Tensor, names: tuple[str, ...], source: Callable | None):
+        """A projection (the concatenation of the weights `names`) in self.weights' format, from the
+        source's 4-bit groups where it has them for every part, else from its float32 weights, else from
+        the model's. A dense weight from a file's source had no 4-bit blocks: it runs as int8 even in q4."""
+        parts = [source(n) for n in names] if source is not None and names else []
+        if parts and all(isinstance(p, quant.Groups) for p in parts):
+            src, fmt = quant.Groups.cat(parts), self.weights
+        elif parts and all(p is not None for p in parts):
+            src = torch.cat([p.dense() if isinstance(p, quant.Groups) else p for p in parts])
+            fmt = "q8"
+        else:
+            src, fmt = dense, self.weights
+        q = quant.prepare(src, fmt, self.dtype)
+        self._kinds[tuple(dense.shape)] = "q4" if isinstance(q, quant.Int4) else "q8"
+        return q
 
     @property
     def n_layers(self) -> int:
@@ -69,7 +115,8 @@ class FastDecoder:
         (row_invariance.py; probed once per setting), or None."""
         a = self.arch
         # the kernels' split of the work may follow the thread count
-        key = (self.linear, self._probe_shapes, a.n_heads, a.n_kv_heads, a.head_dim, self.dtype, self.cache_dtype,
+        kinds = tuple(sorted(getattr(self, "_kinds", {}).items()))
+        key = (self.linear, self.weights, kinds, self._probe_shapes, a.n_heads, a.n_kv_heads, a.head_dim, self.dtype, self.cache_dtype,
                str(self.device), max_rows, kv_block, torch.get_num_threads())
         if key not in _ROW_FLOORS:
             lin = row_invariance.row_floor(self._pack, self.linear, self._probe_shapes, max_rows, self.dtype, self.device)

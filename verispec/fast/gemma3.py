@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers.activations import ACT2FN
 
-from verispec.fast.core import Arch, fused, rope_of
+from verispec.fast.core import Arch, fused, projection_names, rope_of
 from verispec.fast.decoder import FastDecoder
 
 MODEL_TYPES = ("gemma3_text",)
@@ -33,7 +33,7 @@ def unsupported_reason(model) -> str | None:
 class FastGemma3(FastDecoder):
     family = "gemma3"
 
-    def __init__(self, model):
+    def __init__(self, model, weights: str = "bf16", weight_source=None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -42,8 +42,8 @@ class FastGemma3(FastDecoder):
                     eps=float(cfg.rms_norm_eps), scale=float(cfg.query_pre_attn_scalar) ** -0.5,
                     act=ACT2FN[cfg.hidden_activation].forward, gemma_norm=True, sandwich=True, qk_norm=True)
         types = list(cfg.layer_types[: cfg.num_hidden_layers])
-        layers = []
-        for layer in base.layers[: cfg.num_hidden_layers]:
+        layers, names = [], []
+        for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
             att, mlp = layer.self_attn, layer.mlp
             wqkv, bqkv = fused(att.q_proj, att.k_proj, att.v_proj)
             wgu, _ = fused(mlp.gate_proj, mlp.up_proj)
@@ -58,10 +58,12 @@ class FastGemma3(FastDecoder):
             if att.o_proj.bias is not None:
                 lw["bo"] = att.o_proj.bias.detach()
             layers.append(lw)
+            names.append(projection_names(i))
         ropes = {t: rope_of(base.rotary_emb, prefix=f"{t}_") for t in set(types)}
         windows = [cfg.sliding_window if t == "sliding_attention" else None for t in types]
         super().__init__(arch, base.embed_tokens.weight.detach(), layers, base.norm.weight.detach(),
                          model.lm_head.weight.detach(), windows=windows, rope_keys=types, ropes=ropes,
                          embed_scale=float(cfg.hidden_size) ** 0.5,
                          final_softcap=getattr(cfg, "final_logit_softcapping", None),
-                         max_positions=int(cfg.max_position_embeddings))
+                         max_positions=int(cfg.max_position_embeddings), weights=weights, names=names,
+                         weight_source=weight_source)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.activations import ACT2FN
 
-from verispec.fast.core import Arch, fused, rope_of
+from verispec.fast.core import Arch, fused, projection_names, rope_of
 from verispec.fast.decoder import FastDecoder
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -45,7 +45,7 @@ def _windows(cfg) -> list[int | None]:
 class FastLlama(FastDecoder):
     family = "llama"
 
-    def __init__(self, model):
+    def __init__(self, model, weights: str = "bf16", weight_source=None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -55,8 +55,8 @@ class FastLlama(FastDecoder):
         arch = Arch(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                     eps=float(cfg.rms_norm_eps), scale=float(getattr(first, "scaling", head_dim ** -0.5)),
                     act=ACT2FN[cfg.hidden_act].forward, qk_norm=hasattr(first, "q_norm"))
-        layers = []
-        for layer in base.layers[: cfg.num_hidden_layers]:
+        layers, names = [], []
+        for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
             att, mlp = layer.self_attn, layer.mlp
             wqkv, bqkv = fused(att.q_proj, att.k_proj, att.v_proj)
             wgu, bgu = fused(mlp.gate_proj, mlp.up_proj)
@@ -72,7 +72,9 @@ class FastLlama(FastDecoder):
             if arch.qk_norm:
                 lw["q_norm"], lw["k_norm"] = att.q_norm.weight.detach(), att.k_norm.weight.detach()
             layers.append(lw)
+            names.append(projection_names(i))
         super().__init__(arch, base.embed_tokens.weight.detach(), layers, base.norm.weight.detach(),
                          model.lm_head.weight.detach(), windows=_windows(cfg),
                          rope_keys=["rope"] * len(layers), ropes={"rope": rope_of(base.rotary_emb)},
-                         max_positions=int(cfg.max_position_embeddings))
+                         max_positions=int(cfg.max_position_embeddings), weights=weights, names=names,
+                         weight_source=weight_source)

@@ -43,8 +43,9 @@ from verispec.errors import InvalidPrompt, UnsupportedModel
 from verispec.fast import canonical
 
 
-def build_fast_model(model):
-    """The fast family module for a loaded transformers model, or UnsupportedModel saying why not."""
+def build_fast_model(model, **weight_options):
+    """The fast family module for a loaded transformers model, or UnsupportedModel saying why not.
+    weight_options: weights ("bf16", "q8", "q4") and weight_source (see FastDecoder)."""
     from verispec.fast import gemma3, llama
 
     for mod, cls in ((llama, "FastLlama"), (gemma3, "FastGemma3")):
@@ -52,7 +53,7 @@ def build_fast_model(model):
             reason = mod.unsupported_reason(model)
             if reason:
                 raise UnsupportedModel(f"fast backend: {reason}; use backend 'hf'")
-            return getattr(mod, cls)(model)
+            return getattr(mod, cls)(model, **weight_options)
     raise UnsupportedModel(f"fast backend: model type {getattr(model.config, 'model_type', None)!r} is not "
                            "supported (Llama family, Qwen2/3, Mistral, Gemma 3); use backend 'hf'")
 
@@ -65,11 +66,19 @@ class FastRunner:
     def __init__(self, model, capacity: int | None = None, exact: bool | None = None, exact_bucket: int = 8,
                  exact_max_rows: int = 32,
                  compile: bool = False, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                 prefill_chunk: int = 256, kv_block: int = 512):
+                 prefill_chunk: int = 256, kv_block: int = 512, weights: str | None = None, weight_source=None):
         """model: a loaded transformers causal LM of a supported family (its weights are shared).
         capacity: the most positions a sequence may hold (default: min(max positions, 4096)).
-        exact: True / False, or None = on for greedy and off for sampling (set by `prepare`)."""
-        self.net = build_fast_model(model)
+        exact: True / False, or None = on for greedy and off for sampling (set by `prepare`).
+        weights: "bf16" (dense), "q8", "q4" (fast/quant.py), or None / "auto" (quant.default_format);
+        weight_source: name -> a file's own weights (models/gguf_weights.py), None: the model's."""
+        from verispec.fast import quant
+
+        fmt = weights
+        if weights in (None, "auto"):
+            p = next(model.parameters())
+            fmt = quant.default_format(p.dtype, p.device, weight_source is not None)
+        self.net = build_fast_model(model, weights=fmt, weight_source=weight_source)
         if exact_bucket < 1 or exact_max_rows < 1 or any(b < 1 for b in buckets):
             raise ValueError("buckets must be positive")
         if kv_block % 16:  # whole SIMD vectors, so reductions over L keep their association as L grows

@@ -46,6 +46,25 @@ class LoadedModel:
     device: torch.device
     gguf_path: Path | None = None  # the original GGUF file, for baselines that read GGUF (llama.cpp)
     context_length: int = 2048
+    # the fast path's weights format: "auto", "bf16" (dense), "q8", "q4" (verispec/fast/quant.py)
+    weights: str = "auto"
+    converted_path: Path | None = None  # the GGUF's float32 dequantization, as safetensors
+    _source: object = None
+
+    @property
+    def weight_source(self):
+        """name -> the GGUF's own weights (models/gguf_weights.py) for a model loaded from a GGUF, else
+        None. Opened on first use (reading the file's index takes ~2 s)."""
+        if self.gguf_path is None or self.converted_path is None:
+            return None
+
+        def get(name: str):
+            if self._source is None:
+                from verispec.models.gguf_weights import GGUFWeights
+
+                self._source = GGUFWeights(self.gguf_path, self.converted_path)
+            return self._source.get(name)
+        return get
 
     @property
     def vocab_size(self) -> int:
@@ -156,9 +175,15 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval(), tokenizer
 
 
-def load_model(name: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = "cpu") -> LoadedModel:
+def load_model(name: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = "cpu",
+               weights: str = "auto") -> LoadedModel:
     """Load `name`: an embedded default (see `verispec models`), a local model directory, a .gguf
-    file, or a hub id (where a network allows)."""
+    file, or a hub id (where a network allows). weights: the fast path's weights format, "auto",
+    "bf16" (dense), "q8" or "q4" (a GGUF's own 4-bit blocks where it has them; verispec/fast/quant.py)."""
+    from verispec.fast.quant import FORMATS
+
+    if weights not in ("auto", *FORMATS):
+        raise InvalidParameter(f"unknown weights '{weights}'; use one of auto, {', '.join(FORMATS)}")
     torch_dtype = _resolve_dtype(dtype)
     dev = _resolve_device(device)
     gguf: Path | None = None
@@ -192,7 +217,8 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str | to
         raise ModelNotFound(f"could not load '{name}': {str(exc).splitlines()[0]}") from exc
     if context is None:
         context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 2048) or 2048)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, dtype=torch_dtype, device=dev, gguf_path=gguf, context_length=context)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, dtype=torch_dtype, device=dev, gguf_path=gguf,
+                       context_length=context, weights=weights, converted_path=Path(path) if gguf is not None else None)
 
 
 def from_model(model: "torch.nn.Module", tokenizer: object, name: str = "custom") -> LoadedModel:

@@ -1,0 +1,188 @@
+"""Quantized weights (fast/quant.py, models/gguf_weights.py): the mapping of GGUF 4-bit blocks onto
+PyTorch's int4 kernel and its largest weight difference, the int8 requantization's, the GGUF block
+reader against the gguf package's own dequantization, the row-invariance probe seeing the quantized
+kernels, and greedy speculation bit-identical to plain decoding under q8 and q4 in bf16 exact mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import loaded, tiny_llama
+
+from verispec.api import build_engine
+from verispec.fast import FastRunner, quant
+from verispec.models.gguf_weights import parse_q4, rope_rows
+from verispec.types import SamplingParams
+
+CPU = torch.device("cpu")
+BF16_U = 2.0 ** -8  # bfloat16 keeps 8 significant bits: rounding to nearest moves a value by <= 2^-8 of it
+
+needs = pytest.mark.skipif(any(quant.available(f, torch.bfloat16, CPU) for f in ("q4", "q8")),
+                           reason="this torch build lacks the weight-only int4/int8 CPU kernels")
+
+
+def _q4_1_groups(n: int, k: int, seed: int = 0) -> quant.Groups:
+    """Groups as a GGUF Q4_1 file stores them: d and m rounded to float16, with a spread of scales and
+    offsets (some groups far from zero, where m + 8 d is large)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    w += 3 * torch.randn(n, k // quant.GROUP, generator=g).repeat_interleave(quant.GROUP, 1)
+    r = quant.requantize_groups(w)
+    return quant.Groups(r.q, r.d.half().float(), r.m.half().float())
+
+
+def test_q4_1_blocks_map_onto_the_int4_kernel_within_the_bf16_rounding_of_scale_and_zero():
+    gr = _q4_1_groups(64, 256)
+    w = quant.to_int4(gr, torch.bfloat16)
+    ref = gr.dense()  # the GGUF's float32 dequantization: d * q + m
+    err = (quant.effective(w, gr) - ref).abs()
+    # the only loss: d and m + 8 d rounded to bfloat16, so |err| <= |q - 8| |d - bf16(d)| + |z - bf16(z)|
+    d, z = gr.d, gr.m + 8 * gr.d
+    bound = (8 * d.abs() + z.abs()) * BF16_U
+    assert (err <= bound.repeat_interleave(quant.GROUP, 1) * (1 + 1e-6) + 1e-7).all()
+    assert err.max() > 0  # bfloat16 scales do lose something here, so the bound is what is tested
+    # where d and m + 8 d are bfloat16 numbers the mapping is exact (up to float32 rounding of the sums)
+    d, z = gr.d.bfloat16().float(), (gr.m + 8 * gr.d).bfloat16().float()
+    exact = quant.Groups(gr.q, d, z - 8 * d)
+    diff = (quant.effective(quant.to_int4(exact, torch.bfloat16), exact) - exact.dense()).abs()
+    assert (diff <= 2.0 ** -21 * (8 * d.abs() + z.abs()).repeat_interleave(quant.GROUP, 1)).all()
+    # and the kernel computes with those weights (its own float32 sums, one bfloat16 rounding of the output)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = x.double() @ quant.effective(w, gr).double().T
+    torch.testing.assert_close(quant.linear(x, w).double(), want, atol=0.05, rtol=BF16_U)
+
+
+def test_q8_requantization_is_within_half_a_step_per_channel():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 96, generator=g) * torch.exp(torch.randn(48, 1, generator=g))
+    q = quant.to_int8(w, torch.bfloat16)
+    step = q.scale.float()
+    assert (step * 127 >= w.abs().amax(1)).all()  # the scale rounds up: no weight clips
+    assert (step * 127 <= w.abs().amax(1) * (1 + 2 * BF16_U)).all()
+    err = (quant.effective(q) - w).abs()
+    assert (err <= step[:, None] / 2 * (1 + 1e-6)).all()
+    x = torch.randn(3, 96, generator=g).bfloat16()
+    torch.testing.assert_close(quant.linear(x, q).double(), x.double() @ quant.effective(q).double().T,
+                               atol=0.05, rtol=BF16_U)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_block_reader_equals_the_gguf_packages_dequantization(kind):
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qt = getattr(GGMLQuantizationType, kind)
+    w = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32) + 1.5
+    raw = quantize(w, qt)
+    groups = parse_q4(raw, kind, (16, 128))
+    assert torch.equal(groups.dense(), torch.from_numpy(dequantize(raw, qt)))
+
+
+def test_rope_rows_undo_llama_cpps_q_k_permutation():
+    heads, per, k = 3, 8, 4
+    hf = torch.arange(heads * per * k).reshape(heads * per, k)
+    # llama.cpp's converter: each head's rows (2, per / 2) stored as (per / 2, 2)
+    gguf = hf.reshape(heads, 2, per // 2, k).transpose(1, 2).reshape(heads * per, k)
+    assert torch.equal(gguf[rope_rows(heads * per, heads)], hf)
+
+
+@needs
+def test_quantized_formats_fall_back_to_dense_weights_and_say_why():
+    model = tiny_llama(layers=1, hidden=64)  # float32: the quantized kernels take bfloat16 activations
+    runner = FastRunner(model, capacity=64, weights="q4")
+    assert runner.net.weights == "bf16" and "bfloat16" in runner.net.weights_note
+    with pytest.raises(ValueError):
+        FastRunner(model, capacity=64, weights="q3")
+
+
+@needs
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_quantized_runner_logits_and_pass_independent_bits(fmt):
+    model = tiny_llama(layers=3, hidden=64).to(torch.bfloat16)
+    ids = torch.randint(0, 32, (50,), generator=torch.Generator().manual_seed(8))
+    dense = FastRunner(model, capacity=128, exact=False)
+    runner = FastRunner(model, capacity=128, exact=False, weights=fmt)
+    assert runner.net.weights == fmt
+    kinds = {type(runner.net.layers[0][k]) for k in ("wqkv", "wo", "wgu", "wdown")} | {type(runner.net.lm_head)}
+    assert kinds == {quant.Int4 if fmt == "q4" else quant.Int8}
+    for r in (dense, runner):
+        r.forward(ids[:10], last_only=True)
+    a, b = dense.forward(ids[10:30]), runner.forward(ids[10:30])
+    assert not torch.equal(a, b)  # other weights ...
+    torch.testing.assert_close(b, a, atol=1.5 if fmt == "q4" else 0.5, rtol=0.1)  # ... close to the dense ones
+    # exact mode: a position's logits do not depend on how many positions share its pass
+    out = []
+    for cuts in ([(i, i + 1) for i in range(10, 50)], [(10, 13), (13, 20), (20, 21), (21, 37), (37, 50)]):
+        r = FastRunner(model, capacity=128, exact=True, kv_block=16, weights=fmt)
+        r.forward(ids[:10], last_only=True)
+        out.append(torch.cat([r.forward(ids[a:b]) for a, b in cuts]))
+    assert torch.equal(out[0], out[1])
+
+
+@needs
+def test_row_invariance_probe_runs_the_quantized_kernels(monkeypatch):
+    """A quantized kernel that rounds otherwise below 3 rows must raise exact mode's row floor to 3."""
+    real = quant.linear
+
+    def below_three(x, w, b=None):
+        y = real(x, w, b)
+        return y * (1 + 2 ** -7) if x.shape[0] < 3 else y  # one bfloat16 ulp: another rounding
+    model = tiny_llama(layers=2, hidden=64).to(torch.bfloat16)
+    floors = {}
+    for name, lin in (("real", real), ("planted", below_three)):
+        monkeypatch.setattr(quant, "linear", lin)
+        r = FastRunner(model, capacity=64, exact=True, exact_max_rows=8, weights="q4")
+        assert r.net.linear is lin
+        floors[name] = r.net.row_floor(8, r.kv_block)
+    assert floors["planted"] is not None and floors["planted"] >= 3
+    assert floors["real"] is None or floors["real"] <= floors["planted"]
+
+
+@needs
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_greedy_speculation_equals_plain_decoding_with_quantized_weights(fmt):
+    target = loaded(tiny_llama(layers=3, hidden=64).to(torch.bfloat16))
+    target.weights = fmt
+    draft = loaded(tiny_llama(layers=1, hidden=64, seed=1).to(torch.bfloat16), name="draft")
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in ([1, 2, 3, 4, 1, 2, 3], [5, 9, 5, 9, 5, 9, 17]):
+        plain = build_engine(target, "ar", backend="fast")
+        assert plain.runner.net.weights == fmt and plain.runner.exact
+        want = plain.generate(prompt, params).token_ids
+        for method, opts in (("ngram", {}), ("draft", {"draft": draft}), ("ngram", {"tree": "static:small"})):
+            assert build_engine(target, method, backend="fast", **opts).generate(prompt, params).token_ids == want
+
+
+@pytest.mark.real_model
+@needs
+def test_smollm2_q4_runs_the_files_own_blocks():
+    """The embedded SmolLM2 GGUF: every projection runs its Q4_1 blocks on the int4 kernel within the
+    stated bound of the file's float32 dequantization, the Q8_0 LM head as int8 within half a step;
+    greedy n-gram speculation equals plain decoding on it (bf16, exact mode)."""
+    from verispec.models import load_model
+
+    target = load_model("smollm2-135m", dtype="bfloat16", weights="q4")
+    source = target.weight_source
+    runner = FastRunner(target.model, capacity=512, weights="q4", weight_source=source)
+    net = runner.net
+    worst = 0.0
+    for i, lw in enumerate(net.layers):
+        names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
+        groups = quant.Groups.cat([source(n) for n in names])  # Groups: the file's blocks, checked on read
+        assert isinstance(lw["wqkv"], quant.Int4)
+        ref = torch.cat([target._source.dense(n) for n in names])  # the file's float32 dequantization
+        err = (quant.effective(lw["wqkv"], groups) - ref).abs()
+        bound = ((8 * groups.d.abs() + (groups.m + 8 * groups.d).abs()) * BF16_U).repeat_interleave(32, 1)
+        assert (err <= bound * (1 + 1e-6) + 1e-7).all()
+        worst = max(worst, float(err.max()))
+        assert all(isinstance(lw[k], quant.Int4) for k in ("wo", "wgu", "wdown"))
+    assert 0 < worst <= 2 ** -5  # 0.0156 on this file (module docstring of quant.py)
+    head = target._source.dense("lm_head.weight")
+    assert isinstance(net.lm_head, quant.Int8)
+    err = (quant.effective(net.lm_head) - head).abs()
+    assert (err <= net.lm_head.scale.float()[:, None] / 2 * (1 + 1e-6)).all()
+    ids = target.encode(chat="Repeat this list, then sort it: pear, fig, apple, plum, kiwi, lime.")
+    params = SamplingParams(max_new_tokens=24)
+    plain = build_engine(target, "ar", backend="fast", runner=runner).generate(ids, params).token_ids
+    assert build_engine(target, "ngram", backend="fast", runner=runner).generate(ids, params).token_ids == plain

@@ -1,0 +1,166 @@
+"""Quantized weights for the fast path on CPU: PyTorch's weight-only int8 and int4 kernels.
+
+`--weights q8`: every projection and the LM head as int8 with one scale per output channel
+(`torch._weight_int8pack_mm`), requantized from the model's float32 weights. `--weights q4`: 4-bit
+groups of 32 along the input features with a scale and a zero per group
+(`torch._weight_int4pack_mm_for_cpu`), which is the shape of GGUF's Q4_0 / Q4_1 blocks, so a GGUF's own
+blocks map onto it (models/gguf_weights.py reads them); a weight without such blocks (a Q8_0 or Q6_K
+tensor, or a model that is not a GGUF) runs as int8: requantizing an 8- or 6-bit tensor to 4 bits
+would lose more than the file did.
+
+The kernels' conventions (checked on torch 2.13 against an identity input): int4 dequantizes
+w = (q - 8) * scale + zero with q in 0..15, and int8 w = q * scale; scales and zeros must have the
+activations' dtype. So a Q4_1 block w = d * q + m maps to scale = d, zero = m + 8 d, exactly but for
+the rounding of d and m + 8 d to bfloat16 (`effective()` gives the float32 weight a kernel multiplies
+by; tests/test_quant.py bounds its distance to the GGUF's float32 dequantization). Activations stay
+in bfloat16: the int4 kernel is 5-50x slower with float32 ones.
+
+`available(fmt)` probes that a kernel exists and computes what its convention says; where not, the
+decoder falls back to the dense weights and says so (decoder.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("bf16", "q8", "q4")
+GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q4_K sub-block length, and an int4 kernel group size
+
+
+@dataclass
+class Groups:
+    """4-bit groups of GROUP weights along the input features: w = d * q + m (GGUF's Q4_1 form; Q4_0
+    is m = -8 d). q [N, K] uint8 in 0..15, d and m [N, K / GROUP] float32."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        """The float32 weight the groups stand for, computed as the GGUF dequantization does (d * q
+        exact in float32, one rounding of the sum)."""
+        d = self.d.repeat_interleave(GROUP, dim=1)
+        m = self.m.repeat_interleave(GROUP, dim=1)
+        return d * self.q.float() + m
+
+    @staticmethod
+    def cat(parts: list["Groups"]) -> "Groups":
+        return Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+
+
+class Int4(NamedTuple):
+    packed: torch.Tensor   # the int4pack layout of torch._convert_weight_to_int4pack_for_cpu
+    sz: torch.Tensor       # [K / GROUP, N, 2]: scale, zero
+
+
+class Int8(NamedTuple):
+    q: torch.Tensor        # [N, K] int8
+    scale: torch.Tensor    # [N]
+
+
+def requantize_groups(w: torch.Tensor) -> Groups:
+    """Dense [N, K] -> 4-bit min/max groups (the Q4_1 recipe), for weights that come without blocks."""
+    g = w.float().reshape(w.shape[0], -1, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(w.shape)
+    return Groups(q, d, lo)
+
+
+def to_int4(g: Groups, dtype: torch.dtype) -> Int4:
+    """Groups -> the int4 kernel's weight: scale = d, zero = m + 8 d (w = (q - 8) * scale + zero)."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32).contiguous(), 1)
+    # m + 8 d in float64 is exact (two float32 values a power of two apart in scale), rounded once
+    zero = (g.m.double() + 8 * g.d.double()).to(dtype)
+    sz = torch.stack((g.d.to(dtype), zero), dim=-1).transpose(0, 1).contiguous()
+    return Int4(packed, sz)
+
+
+def to_int8(w: torch.Tensor, dtype: torch.dtype) -> Int8:
+    """Dense [N, K] -> int8 per output channel, the scale rounded UP to `dtype` so that max|w| / scale
+    stays within 127 and every weight within half a step."""
+    w = w.float()
+    s = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    sd = s.to(dtype)
+    low = sd.float() < s
+    sd[low] = torch.nextafter(sd[low], torch.full_like(sd[low], float("inf")))
+    q = (w / sd.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8(q.contiguous(), sd)
+
+
+def int4_fits(n: int, k: int) -> bool:
+    """The int4 kernel takes N a multiple of 16 and whole groups of K."""
+    return n % 16 == 0 and k % GROUP == 0
+
+
+def effective(w: Int4 | Int8, groups: Groups | None = None) -> torch.Tensor:
+    """The float32 [N, K] weight a quantized kernel multiplies by (for Int4, `groups` gives its q)."""
+    if isinstance(w, Int8):
+        return w.q.float() * w.scale.float()[:, None]
+    s = w.sz[..., 0].float().T.repeat_interleave(GROUP, dim=1)
+    z = w.sz[..., 1].float().T.repeat_interleave(GROUP, dim=1)
+    return (groups.q.float() - 8) * s + z
+
+
+def prepare(src: torch.Tensor | Groups, fmt: str, dtype: torch.dtype) -> Int4 | Int8:
+    """One weight for format `fmt`: Groups (a GGUF's 4-bit blocks) or a dense tensor (float32 where the
+    model was dequantized from a file: requantizing rounded bfloat16 values would add an error)."""
+    if isinstance(src, Groups):
+        n, k = src.q.shape
+        if fmt == "q4" and int4_fits(n, k):
+            return to_int4(src, dtype)
+        return to_int8(src.dense(), dtype)
+    n, k = src.shape
+    if fmt == "q4" and int4_fits(n, k):
+        return to_int4(requantize_groups(src), dtype)
+    return to_int8(src, dtype)
+
+
+def linear(x: torch.Tensor, w: Int4 | Int8, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] on the weight-only kernel of w's format."""
+    if isinstance(w, Int4):
+        y = torch._weight_int4pack_mm_for_cpu(x, w.packed, GROUP, w.sz)
+    else:
+        y = torch._weight_int8pack_mm(x, w.q, w.scale)
+    return y if b is None else y + b
+
+
+def available(fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None where format `fmt` can run (CPU, bfloat16 activations, the kernel present and computing
+    its convention on a probe), else why not."""
+    if torch.device(device).type != "cpu":
+        return f"{fmt} weights run on CPU kernels only (device {torch.device(device).type})"
+    if dtype != torch.bfloat16:
+        return f"{fmt} weights need bfloat16 activations (--dtype bfloat16), not {str(dtype).replace('torch.', '')}"
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(32, 64, generator=g)
+        x = torch.randn(5, 64, generator=g).to(dtype)
+        groups = requantize_groups(w) if fmt == "q4" else None
+        qw = to_int4(groups, dtype) if fmt == "q4" else to_int8(w, dtype)
+        want = x.float() @ effective(qw, groups).T
+        got = linear(x, qw).float()
+        if not torch.allclose(got, want, atol=0.05, rtol=0.02):
+            return f"the {fmt} kernel disagrees with its own convention on a probe"
+    except (RuntimeError, AttributeError) as exc:
+        return f"the {fmt} kernel is missing in this torch build ({str(exc).splitlines()[0][:80]})"
+    return None
+
+
+def default_format(dtype: torch.dtype, device: torch.device, from_file: bool) -> str:
+    """The weights format `weights="auto"` runs: "bf16" (dense) unless the model came from a quantized
+    file (a weight source), bfloat16 on CPU; see DEFAULT for which the measurements chose there."""
+    if not from_file or available(DEFAULT, dtype, device) is not None:
+        return "bf16"
+    return DEFAULT
+
+
+# set from benchmarks/fast_decode.py's side-by-side figures (results/cpu/quant_*.json)
+DEFAULT = "bf16"
