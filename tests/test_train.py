@@ -261,3 +261,71 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "lr must be > 0" in r.output
     r = CliRunner().invoke(app, ["train", "eagle", "--feature-backend", "jax"])
     assert r.exit_code == 2 and "unknown feature backend 'jax'" in r.output
+
+
+def test_heldout_split_is_per_source_and_stable():
+    from verispec.train.data import split_heldout
+
+    records = [{"id": f"{s}-{i}", "source": s} for s, n in (("a", 100), ("b", 41), ("c", 3)) for i in range(n)]
+    train, held = split_heldout(records, 0.05)
+    assert {r["id"] for r in train}.isdisjoint(r["id"] for r in held) and len(train) + len(held) == len(records)
+    for s, n in (("a", 100), ("b", 41), ("c", 3)):
+        assert sum(r["source"] == s for r in held) >= 0.05 * n  # every source, at least its share
+    again = split_heldout(list(reversed(records)), 0.05)[1]
+    assert sorted(r["id"] for r in again) == sorted(r["id"] for r in held)  # order does not matter
+    more = records + [{"id": f"a-{i}", "source": "a"} for i in range(100, 200)]
+    kept = {r["id"] for r in split_heldout(more, 0.05)[1]}
+    assert len(kept & {r["id"] for r in held if r["source"] == "a"}) >= 3  # a larger run keeps most of it
+
+
+def test_training_prompts_mix_sources_and_never_read_the_heldout_slice():
+    from verispec.train.data import default_data_dir, heldout_prompts, training_prompts
+
+    data = default_data_dir()
+    if not (data / "sharegpt").is_dir():
+        pytest.skip("../shared/data is not beside this checkout")
+    prompts = training_prompts(data, 400)
+    counts = {s: sum(p["source"] == s for p in prompts) for s in ("sharegpt", "gsm8k", "longctx")}
+    assert abs(counts["gsm8k"] - 120) <= 1 and abs(counts["longctx"] - 60) <= 1 and abs(counts["sharegpt"] - 220) <= 2
+    assert training_prompts(data, 100) == prompts[:100]  # a larger run starts with a smaller run's prompts
+    held = set(heldout_prompts(data))
+    assert not any(p["text"] in held or any(h in p["text"] for h in held if len(h) > 200) for p in prompts)
+
+
+def test_draft_vocabulary_is_rebuilt_when_the_records_change(tmp_path):
+    from verispec.train.vocab import draft_vocab_for
+
+    a = [{"id": "1", "prompt_ids": [1], "answer_ids": [5, 5, 5, 6]}]
+    b = a + [{"id": "2", "prompt_ids": [1], "answer_ids": [7, 7, 7, 7, 7]}]
+    d_a, f_a = draft_vocab_for(tmp_path / "v.pt", a, 2, 10)
+    assert d_a.tolist() == [5, 6]
+    assert draft_vocab_for(tmp_path / "v.pt", a, 2, 10)[1] == f_a  # same records: the saved one
+    d_b, f_b = draft_vocab_for(tmp_path / "v.pt", b, 2, 10)
+    assert f_b != f_a and d_b.tolist() == [7, 5]
+
+
+def test_batched_self_distillation_equals_one_at_a_time(tiny, tmp_path, monkeypatch):
+    """Answers generated many per batch (left-padded) are the answers generated one by one, float32,
+    except where the target's top two logits are a near-tie at the first difference."""
+    from verispec.train.data import generate_answers
+
+    monkeypatch.setattr(tiny, "encode", lambda prompt=None, chat=None: [int(t) for t in chat.split()])
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"id": str(i), "source": "test",
+                "text": " ".join(map(str, torch.randint(1, V, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()))}
+               for i in range(10)]
+    kw = dict(max_new_tokens=24, log=lambda m: None, progress=False)
+    batched = {r["id"]: r for r in generate_answers(tiny, prompts, tmp_path / "b.jsonl", batch_size=5, **kw)}
+    single = {r["id"]: r for r in generate_answers(tiny, prompts, tmp_path / "s.jsonl", batch_size=1, **kw)}
+    assert sorted(batched) == sorted(single) == [str(i) for i in range(10)]
+    same = 0
+    for i, r in single.items():
+        a, b = r["answer_ids"], batched[i]["answer_ids"]
+        if a == b:
+            same += 1
+            continue
+        k = next(j for j in range(min(len(a), len(b))) if a[j] != b[j])
+        logits = tiny.model(input_ids=torch.tensor([r["prompt_ids"] + a[:k]])).logits[0, -1]
+        top = logits.topk(2).values
+        assert float(top[0] - top[1]) < 1e-4, (i, k, a, b)
+    assert same >= 8

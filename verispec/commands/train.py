@@ -18,10 +18,10 @@ def _run(kind: str, **options) -> None:
     cfg = TrainConfig(kind=kind, **options)
     config = run(cfg, log=lambda m: typer.echo(m, err=True))
     t = config["training"]
-    held = t.get("heldout", {})
+    held = t.get("heldout", {}).get("overall", {})
     typer.echo(f"{kind} head: {t['steps']} steps, {t['train_seconds_total']:.0f} s training, "
-               f"{t['sequences']} sequences; held-out tau chain {held.get('chain', {}).get('tau')}, "
-               f"dynamic tree {held.get('dynamic_tree', {}).get('tau')}, top-1 {held.get('heldout_top1')}")
+               f"{t['sequences']} sequences; held-out tau chain {held.get('chain_tau')}, "
+               f"tree {held.get('tree_tau')}, top-1 by step {held.get('top1_by_step')}")
 
 
 def _command(kind: str):
@@ -32,14 +32,14 @@ def _command(kind: str):
         work: Optional[str] = typer.Option(None, "--work", help="Work folder for data and training state (default .verispec-train/<target>)."),
         out: Optional[str] = typer.Option(None, "--out", help="Where to write the head (default <work>/<kind>-head)."),
         prompts: int = typer.Option(64, "--prompts", help="Training prompts (ShareGPT + GSM8K train)."),
-        max_prompt_tokens: int = typer.Option(200, "--max-prompt-tokens", help="Skip longer prompts."),
-        max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Answer length for self-distillation."),
+        max_prompt_tokens: int = typer.Option(640, "--max-prompt-tokens", help="Skip longer prompts."),
+        max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Answer cap for self-distillation (answers end at EOS below it)."),
         gen_batch: int = typer.Option(32, "--gen-batch", help="Prompts per batched generate call."),
         steps: int = typer.Option(300, "--steps", help="Optimizer steps."),
         batch_size: int = typer.Option(4, "--batch-size"),
-        seq_len: int = typer.Option(128, "--seq-len", help="Positions per training window."),
+        seq_len: int = typer.Option(128, "--seq-len", help="Answer anchors per training window (every earlier position is a key)."),
         lr: float = typer.Option(1e-3, "--lr"),
-        ttt_steps: int = typer.Option(3, "--ttt-steps", help="EAGLE: training-time test unroll steps."),
+        ttt_steps: int = typer.Option(6, "--ttt-steps", help="EAGLE: training-time test unroll steps."),
         draft_vocab: int = typer.Option(2048, "--draft-vocab", help="Reduced draft vocabulary size."),
         medusa_heads: int = typer.Option(4, "--medusa-heads", help="Medusa: number of heads."),
         seed: int = typer.Option(0, "--seed"),
@@ -47,15 +47,19 @@ def _command(kind: str):
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
         feature_backend: str = typer.Option("hf", "--feature-backend", help="hf (transformers) or fast (verispec's forward) for the feature pass."),
         max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this much wall time."),
-        eval_prompts: int = typer.Option(8, "--eval-prompts", help="Held-out prompts for the tau evaluation (0 = skip)."),
+        heldout_share: float = typer.Option(0.05, "--heldout-share", help="Share of every source's answers held out, never trained on."),
+        eval_prompts: int = typer.Option(4, "--eval-prompts", help="Held-out prompts per source in the held-out figures."),
+        eval_bench: int = typer.Option(2, "--eval-bench", help="Spec-Bench questions per task in the held-out figures (0 = none)."),
         eval_tokens: int = typer.Option(64, "--eval-tokens"),
+        eval_dtype: str = typer.Option("bfloat16", "--eval-dtype", help="The target dtype of the held-out figures (the head drafts in it)."),
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads."),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
     ):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, steps=steps, batch_size=batch_size, seq_len=seq_len,
              lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
-             dtype=dtype, eval_prompts=eval_prompts, eval_tokens=eval_tokens, threads=threads, progress=not no_progress, max_minutes=max_minutes,
+             dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
+             eval_tokens=eval_tokens, eval_dtype=eval_dtype, threads=threads, progress=not no_progress, max_minutes=max_minutes,
              feature_backend=feature_backend)
 
     return cmd

@@ -3,7 +3,7 @@
     answers.jsonl          self-distillation (data.py)
     features/shard_*.pt    prefill features + target top-k distributions (extract.py); the layers of
                            both head kinds are extracted, so one data set serves both
-    vocab_<size>.pt        the draft vocabulary (vocab.py)
+    vocab_<size>.pt        the draft vocabulary (vocab.py), rebuilt when the training records change
     <kind>/trainer.pt      training state (loops.py), resumed from its last save
     out/                   the exported head (heads/__init__.py format) with its figures in config.json
 """
@@ -29,14 +29,14 @@ class TrainConfig:
     work: str | None = None          # default .verispec-train/<target>
     out: str | None = None           # default <work>/<kind>-head
     prompts: int = 64
-    max_prompt_tokens: int = 200
-    max_new_tokens: int = 128
+    max_prompt_tokens: int = 640
+    max_new_tokens: int = 512        # answers run to their natural end (EOS) below this cap
     gen_batch: int = 32
     steps: int = 300
     batch_size: int = 4
     seq_len: int = 128
     lr: float = 1e-3
-    ttt_steps: int = 3
+    ttt_steps: int = 6               # as deep as a dynamic tree drafts
     draft_vocab: int = 2048
     medusa_heads: int = 4
     seed: int = 0
@@ -45,8 +45,11 @@ class TrainConfig:
                                      # were 2-5x slower than float32 in transformers on this CPU)
     feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
     max_minutes: float | None = None # stop training after this much wall time (the steps done are recorded)
-    eval_prompts: int = 8
+    heldout_share: float = 0.05      # of every source's records, never trained on (data.split_heldout)
+    eval_prompts: int = 4            # held-out prompts per task (held-out sources and Spec-Bench tasks)
+    eval_bench: int = 2              # Spec-Bench questions per task in the held-out figures (0: none)
     eval_tokens: int = 64
+    eval_dtype: str = "bfloat16"     # the dtype the head ships and drafts in
     threads: int | None = None
     progress: bool = True
 
@@ -64,6 +67,8 @@ def _check(cfg: TrainConfig) -> None:
         raise InvalidParameter("seq-len must exceed ttt-steps + 1")
     if not cfg.lr > 0:
         raise InvalidParameter(f"lr must be > 0, got {cfg.lr}")
+    if not 0 < cfg.heldout_share < 1:
+        raise InvalidParameter(f"heldout-share must be in (0, 1), got {cfg.heldout_share}")
 
 
 def run(cfg: TrainConfig, log=print) -> dict:
@@ -72,12 +77,11 @@ def run(cfg: TrainConfig, log=print) -> dict:
     from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
     from verispec.heads import save_head
     from verispec.models import load_model
-    from verispec.train.data import default_data_dir, generate_answers, heldout_prompts, training_prompts
-    from verispec.train.evaluate import evaluate_tau
+    from verispec.train.data import default_data_dir, generate_answers, split_heldout, training_prompts
+    from verispec.train.evaluate import eval_sets, evaluate_head
     from verispec.train.extract import FeatureSet, extract_features
     from verispec.train.loops import train_eagle, train_medusa
-    from verispec.train.vocab import build_draft_vocab, coverage
-    from verispec.tree import DynamicTree
+    from verispec.train.vocab import coverage, draft_vocab_for
 
     _check(cfg)
     if cfg.threads:
@@ -95,9 +99,10 @@ def run(cfg: TrainConfig, log=print) -> dict:
     records = generate_answers(target, prompts, work / "answers.jsonl", max_prompt_tokens=cfg.max_prompt_tokens,
                                max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, log=log, progress=cfg.progress)
     keep = {p["id"] for p in prompts}
-    records = [r for r in records if r["id"] in keep]
+    records, heldout = split_heldout([r for r in records if r["id"] in keep], cfg.heldout_share)
     timings["generate_s"] = round(time.perf_counter() - t0, 1)
-    log(f"answers: {len(records)} sequences, {sum(len(r['answer_ids']) for r in records)} answer tokens")
+    log(f"answers: {len(records)} sequences for training, {len(heldout)} held out, "
+        f"{sum(len(r['answer_ids']) for r in records)} training answer tokens")
 
     t0 = time.perf_counter()
     L = int(target.model.config.num_hidden_layers)
@@ -108,12 +113,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
     timings["features_s"] = round(time.perf_counter() - t0, 1)
     log(f"features: {data.num_tokens} positions, layers {layers}")
 
-    vpath = work / f"vocab_{cfg.draft_vocab}.pt"
-    if vpath.exists():
-        d2t = torch.load(vpath)
-    else:
-        d2t = build_draft_vocab(records, cfg.draft_vocab, target.vocab_size, always=target.eos_token_ids)
-        torch.save(d2t, vpath)
+    d2t, fingerprint = draft_vocab_for(work / f"vocab_{cfg.draft_vocab}.pt", records, cfg.draft_vocab, target.vocab_size,
+                                       always=target.eos_token_ids)
     cov = coverage(records, d2t)
     log(f"draft vocabulary: {d2t.numel()} tokens, {cov:.1%} of answer tokens")
 
@@ -121,8 +122,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
     if cfg.kind == "eagle":
         module = EagleHead(EagleHead.make_config(target, d2t.numel()))
         module.d2t.copy_(d2t)
-        with torch.no_grad():  # start from the target's own LM head rows (the head's norm output mimics its final state)
+        with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
             module.lm_head.weight.copy_(lm[d2t])
+            module.norm.weight.copy_(final_norm_scale(target.model))
         module.attach_embedding(target.model.get_input_embeddings().weight.detach().float().cpu())
     else:
         module = MedusaHeads(MedusaHeads.make_config(target, d2t.numel(), cfg.medusa_heads))
@@ -150,64 +152,28 @@ def run(cfg: TrainConfig, log=print) -> dict:
         "stopped_by_time_budget": len(history) < cfg.steps,
         "config": asdict(cfg), "sequences": len(records), "positions": data.num_tokens,
         "answer_tokens": sum(len(r["answer_ids"]) for r in records), "draft_vocab_coverage": round(cov, 4),
+        "draft_vocab_records": fingerprint, "heldout_records": len(heldout),
         "steps": len(history), "train_seconds_total": train_seconds, "timings_this_run": timings,
         "final_loss": tail[-1]["loss"] if tail else None, "train_top1_by_step_last20": final_top1,
     }
-    # held-out figures, on prompts never trained on
-    held = heldout_prompts(data_dir)[: cfg.eval_prompts]
-    if held:
-        module.to(target.device)
-        if cfg.kind == "eagle":
-            module.attach_embedding(target.model.get_input_embeddings().weight)
-            drafter = EagleDrafter(module, target.vocab_size)
-        else:
-            drafter = MedusaDrafter(module, target.vocab_size)
-        fig = {}
-        # a fixed budget: the figure measures the head, not this machine's choice of tree size
-        for label, tree in (("chain", None), ("dynamic_tree", DynamicTree(budget=16))):
-            fig[label] = evaluate_tau(target, drafter, held, max_new_tokens=cfg.eval_tokens, draft_length=4, tree=tree,
-                                      check_exact=(label == "chain"))
-            log(f"held-out {label}: {json.dumps(fig[label])}")
-        fig["heldout_top1"] = heldout_top1(target, module, cfg.kind, held, cfg.eval_tokens)
-        log(f"held-out top-1 agreement: {fig['heldout_top1']}")
-        config["training"]["heldout"] = {"prompts": len(held), "dtype": cfg.dtype, "max_new_tokens": cfg.eval_tokens, **fig}
+    # held-out figures, on prompts never trained on, with the head as it ships
+    if cfg.eval_prompts > 0 or cfg.eval_bench > 0:
+        t0 = time.perf_counter()
+        evaluated = target if cfg.eval_dtype == cfg.dtype else load_model(cfg.target, dtype=cfg.eval_dtype, device=cfg.device)
+        sets = eval_sets(evaluated, heldout, cfg.eval_prompts, cfg.eval_bench, seed=cfg.seed)
+        module.to(evaluated.device)
+        config["training"]["heldout"] = evaluate_head(evaluated, cfg.kind, module, sets, max_new_tokens=cfg.eval_tokens,
+                                                      steps=max(cfg.ttt_steps, 6), log=log)
+        timings["eval_s"] = round(time.perf_counter() - t0, 1)
+        log(f"held-out overall: {json.dumps(config['training']['heldout']['overall'])}")
         module.cpu()
     save_head(out, config, state)
     log(f"saved the {cfg.kind} head to {out}")
     return config
 
 
-@torch.inference_mode()
-def heldout_top1(target, module, kind: str, prompts: list[str], max_new_tokens: int) -> list[float]:
-    """Top-1 agreement of the head with the target on held-out greedy continuations, per draft step
-    (EAGLE: step 1 from target features only; Medusa: per head)."""
-    from verispec.engine import Engine
-    from verispec.train.loops import eagle_unroll
-    from verispec.types import SamplingParams
-
-    plain = Engine.for_model(target, None, backend="hf")
-    L = int(target.model.config.num_hidden_layers)
-    agree, count = None, 0
-    for text in prompts:
-        ids = target.encode(chat=text)
-        ans = plain.generate(ids, SamplingParams(max_new_tokens=max_new_tokens)).token_ids
-        seq = torch.tensor([ids + ans], device=target.device)
-        out = target.model(input_ids=seq, output_hidden_states=True)
-        nxt = out.logits[0].argmax(-1)  # the target's greedy next token at each position
-        layers = module.feature_layers
-        feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1).float()
-        start = len(ids) - 1
-        if kind == "eagle":
-            outs = eagle_unroll(module, seq, feats, 3)
-            rows = [(lg[0].argmax(-1), j) for j, lg in enumerate(outs, start=1)]
-        else:
-            lg = module(feats[0])  # [T, K, Vd]
-            rows = [(lg[:, k].argmax(-1), k + 1) for k in range(lg.shape[1])]
-        vals = []
-        for pred, shift in rows:  # prediction at anchor t is compared with the target's choice at t + shift
-            n = seq.shape[1] - shift
-            p = module.d2t[pred[:n]][start: n]
-            t = nxt[shift: shift + n][start: n]
-            vals.append(((p == t).float().sum().item(), t.numel()))
-        agree = vals if agree is None else [(a + b, c + d) for (a, c), (b, d) in zip(agree, vals)]
-    return [round(a / max(1, c), 4) for a, c in agree]
+def final_norm_scale(model) -> torch.Tensor:
+    """The effective scale of the target's final RMSNorm (Gemma's norms scale by 1 + weight)."""
+    norm = model.get_decoder().norm if hasattr(model, "get_decoder") else model.model.norm
+    w = norm.weight.detach().float().cpu()
+    return 1.0 + w if str(getattr(model.config, "model_type", "")).startswith("gemma") else w
