@@ -417,3 +417,19 @@ def test_smollm2_bfloat16_exact_mode_equals_plain_decoding():
             g = build_engine(target, "suffix", suffix_cache=cache, **opts).generate(ids, params)
             assert g.token_ids == plain.token_ids, (chat, opts)
         assert cache.sequences == 2 and g.stats.accepted > 0
+
+
+def test_bench_keeps_the_cache_across_questions_but_not_the_warm_up():
+    from verispec.bench.harness import run_bench
+    from verispec.bench.prompts import Question, load_prompts
+
+    assert {q.category for q in load_prompts("shared_tasks")} == {"gsm8k_json", "gsm8k_steps", "code_docstring", "code_tests"}
+    target = loaded(tiny_llama(), name="tiny-suffix-bench")
+    questions = [Question(str(i), "t", [" ".join(str(t) for t in p)]) for i, p in enumerate(PROMPTS[:3])]
+    result = run_bench(target, ["ar", "suffix"], questions, max_new_tokens=12, warmup=1, progress=False)
+    assert not result["mismatches"]
+    # the model's cache holds the 3 measured answers, in order; the warm-up's answer was forgotten
+    cache = global_cache("tiny-suffix-bench")
+    answers = [r["turns"][0]["token_ids"] for r in result["runs"] if r["method"] == "suffix"]
+    stored = [cache.trie.tokens(i) for i in cache.trie.sequences]
+    assert len(stored) == 3 and all(s[:len(a)] == a for s, a in zip(stored, answers))

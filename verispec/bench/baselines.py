@@ -101,6 +101,12 @@ class VerispecContender:
         gen = self.engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
         return list(gen.token_ids), gen.stats.to_dict()
 
+    def forget(self) -> None:
+        """Drop what the drafter keeps across generations (suffix decoding's cache of earlier outputs)."""
+        forget = getattr(self.engine.drafter, "forget", None)
+        if callable(forget):
+            forget()
+
 
 class HFContender:
     """transformers generate() on the target's own model object (greedy, batch 1)."""

@@ -6,6 +6,10 @@ How it runs (after Spec-Bench, Xia et al. 2024, and its evaluation scripts):
   that rotates from question to question, so drift of a shared, noisy machine hits all of them alike;
 - a multi-turn question is answered turn by turn, each contender continuing its own conversation with
   its own earlier answer; a question's time is the sum of its turns' generate() times;
+- a contender that keeps a memory across generations (suffix decoding's cache of earlier outputs) keeps it
+  across the questions of the run, in question order, but forgets the warm-up (which answered a measured
+  question); two suffix contenders in one run need suffix_cache=private, or they would read each other's
+  answers to the same question;
 - plain decoding ("ar") always runs: it is the reference for speedups and for greedy exactness. Any
   verispec output that differs from it is a bug in a lossless method and is reported loudly.
 """
@@ -208,6 +212,9 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
                 c.generate(warm_ids, min(max_new_tokens, 16))
         except Exception as exc:  # noqa: BLE001 - see drop()
             drop(c, exc)
+    for c in contenders:  # the warm-up answered a measured question: no contender may remember it
+        if callable(getattr(c, "forget", None)):
+            c.forget()
 
     from tqdm.auto import tqdm
 

@@ -18,6 +18,7 @@ SETS = {
     "mt_bench": DATA / "mt_bench" / "question.jsonl",
     "gsm8k": DATA / "gsm8k" / "test_minus_specbench.jsonl",
     "humaneval": DATA / "humaneval" / "HumanEval.jsonl.gz",
+    "shared_tasks": DATA / "shared_tasks" / "question.jsonl",  # built by bench/shared_tasks.py
 }
 
 # Spec-Bench's speed.py reports the 8 MT-Bench categories together as one task
