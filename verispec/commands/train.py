@@ -52,6 +52,7 @@ def _command(kind: str):
         eval_bench: int = typer.Option(2, "--eval-bench", help="Spec-Bench questions per task in the held-out figures (0 = none)."),
         eval_tokens: int = typer.Option(64, "--eval-tokens"),
         eval_dtype: str = typer.Option("bfloat16", "--eval-dtype", help="The target dtype of the held-out figures (the head drafts in it)."),
+        max_positions: Optional[int] = typer.Option(None, "--max-positions", help="Train on the first feature shards up to this many positions (a learning-curve point)."),
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads."),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
     ):
@@ -59,7 +60,7 @@ def _command(kind: str):
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, steps=steps, batch_size=batch_size, seq_len=seq_len,
              lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
-             eval_tokens=eval_tokens, eval_dtype=eval_dtype, threads=threads, progress=not no_progress, max_minutes=max_minutes,
+             eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes,
              feature_backend=feature_backend)
 
     return cmd

@@ -45,6 +45,8 @@ class TrainConfig:
                                      # were 2-5x slower than float32 in transformers on this CPU)
     feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
     max_minutes: float | None = None # stop training after this much wall time (the steps done are recorded)
+    max_positions: int | None = None # train on the first feature shards up to this many positions (a
+                                     # learning curve's point); its training state is kept apart
     heldout_share: float = 0.05      # of every source's records, never trained on (data.split_heldout)
     eval_prompts: int = 4            # held-out prompts per task (held-out sources and Spec-Bench tasks)
     eval_bench: int = 2              # Spec-Bench questions per task in the held-out figures (0: none)
@@ -67,6 +69,8 @@ def _check(cfg: TrainConfig) -> None:
         raise InvalidParameter("seq-len must exceed ttt-steps + 1")
     if not cfg.lr > 0:
         raise InvalidParameter(f"lr must be > 0, got {cfg.lr}")
+    if cfg.max_positions is not None and cfg.max_positions < 1:
+        raise InvalidParameter(f"max-positions must be >= 1, got {cfg.max_positions}")
     if not 0 < cfg.heldout_share < 1:
         raise InvalidParameter(f"heldout-share must be in (0, 1), got {cfg.heldout_share}")
 
@@ -109,6 +113,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
     layers = sorted(set(default_feature_layers(L)) | {L})
     paths = extract_features(target, records, work / "features", layers, progress=cfg.progress,
                              backend=cfg.feature_backend)
+    if cfg.max_positions:
+        paths = paths[: max(1, shards_within(paths, cfg.max_positions))]
+        records = records[: sum(len(torch.load(p)["ids"]) for p in paths)]  # shards hold records in order
     data = FeatureSet(paths)
     timings["features_s"] = round(time.perf_counter() - t0, 1)
     log(f"features: {data.num_tokens} positions, layers {layers}")
@@ -131,12 +138,13 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module.d2t.copy_(d2t)
         module.init_lm_head(lm)
     t0 = time.perf_counter()
+    state = cfg.kind if not cfg.max_positions else f"{cfg.kind}-{cfg.max_positions}"
     common = dict(max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed,
                   device=cfg.device, log=log, progress=cfg.progress)
     if cfg.kind == "eagle":
-        history = train_eagle(module, data, target.vocab_size, work / "eagle", ttt_steps=cfg.ttt_steps, **common)
+        history = train_eagle(module, data, target.vocab_size, work / state, ttt_steps=cfg.ttt_steps, **common)
     else:
-        history = train_medusa(module, data, target.vocab_size, work / "medusa", **common)
+        history = train_medusa(module, data, target.vocab_size, work / state, **common)
     timings["train_s_this_run"] = round(time.perf_counter() - t0, 1)
     train_seconds = history[-1]["seconds"] if history else 0.0
     tail = history[-20:]
@@ -170,6 +178,16 @@ def run(cfg: TrainConfig, log=print) -> dict:
     save_head(out, config, state)
     log(f"saved the {cfg.kind} head to {out}")
     return config
+
+
+def shards_within(paths: list[Path], positions: int) -> int:
+    """How many of the first feature shards together hold at most `positions` positions."""
+    total = 0
+    for n, p in enumerate(paths):
+        total += int(torch.load(p)["lengths"].sum())
+        if total > positions:
+            return n
+    return len(paths)
 
 
 def final_norm_scale(model) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""What drafting with a trained head costs against the target's forward, side by side in one run.
+
+For the shipped EAGLE head (as it drafts: EagleDrafter.for_target, packed weights in the target's dtype)
+and the shipped Medusa heads, after a context of --context tokens:
+  * one target forward over 1 position (the fast runner, exact mode as greedy decoding runs it, and not exact)
+  * one EAGLE draft step: the head forward of one tree level (--nodes nodes, default 1 and 4) plus its
+    logits over the draft vocabulary, i.e. what one depth of a chain or a dynamic tree costs
+  * one whole EAGLE proposal: a chain of 5, and a dynamic tree (budget 16, top-k 4, depth 6)
+  * one Medusa proposal (a chain of 4 and the static medium tree)
+Every figure is the median over --rounds rounds that measure every item once (the machine is shared).
+
+    .venv/bin/python benchmarks/head_cost.py --dtype bfloat16 --json results/cpu/head_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+
+def _ms(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from verispec.drafters.eagle import EagleDrafter
+    from verispec.drafters.medusa import MedusaDrafter
+    from verispec.fast import FastRunner
+    from verispec.models import load_model
+    from verispec.tree import DynamicTree, StaticTree
+    from verispec.types import SamplingParams
+
+    target = load_model(a.model, dtype=a.dtype)
+    ctx = torch.randint(100, 20000, (a.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams()
+    runners = {}
+    for label, exact in (("exact", True), ("not_exact", False)):
+        r = FastRunner(target.model, exact=exact)
+        r.prepare(params)
+        r.feature_layers = None
+        runners[label] = r
+    eagle = EagleDrafter.for_target(target)
+    medusa = MedusaDrafter.for_target(target)
+    feat_runner = FastRunner(target.model, exact=False)
+    feat_runner.feature_layers = tuple(sorted(set(eagle.feature_layers) | set(medusa.feature_layers)))
+    feat_runner.forward(torch.tensor(ctx))
+    feats = feat_runner.last_features
+    cols = {}
+    H = int(target.model.config.hidden_size)
+    for name, layers in (("eagle", eagle.feature_layers), ("medusa", medusa.feature_layers)):
+        idx = [feat_runner.feature_layers.index(i) for i in layers]
+        cols[name] = torch.cat([torch.arange(i * H, (i + 1) * H) for i in idx])
+
+    def target_step(label):
+        r = runners[label]
+        r.crop(a.context)
+        r.forward(torch.tensor([ctx[-1]]))
+
+    for r in runners.values():
+        r.forward(torch.tensor(ctx))
+
+    eagle.begin(ctx, params, None)
+    eagle.observe_features(feats[:-1, cols["eagle"]])
+    h = eagle.sync(ctx)
+
+    def draft_level(m):
+        eagle.scratch = eagle.n
+        hs = h[None].expand(m, -1)
+        out = eagle._expand(ctx[-m:], hs, 1, [[] for _ in range(m)])
+        eagle.top_children(eagle.head.logits(out), list(range(m)), [1.0] * m, 2, 4)
+
+    medusa.begin(ctx, params, None)
+    medusa.observe_features(feats[:-1, cols["medusa"]])
+    items = {f"target_forward_1pos_{k}": (lambda k=k: target_step(k)) for k in runners}
+    for m in a.nodes:
+        items[f"eagle_draft_step_{m}_nodes"] = lambda m=m: draft_level(m)
+    items["eagle_chain_5"] = lambda: eagle.propose(ctx, 5)
+    items["eagle_dynamic_tree_16"] = lambda: eagle.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=6))
+    items["medusa_chain_4"] = lambda: medusa.propose(ctx, 4)
+    items["medusa_static_medium"] = lambda: medusa.propose_tree(ctx, StaticTree.named("medium"))
+    for fn in items.values():  # warm-up
+        fn()
+    rounds = {k: [] for k in items}
+    for _ in range(a.rounds):
+        for k, fn in items.items():
+            rounds[k].append(_ms(fn, a.repeat))
+    ms = {k: round(statistics.median(v), 3) for k, v in rounds.items()}
+    base = ms["target_forward_1pos_exact"]
+    ratios = {k: round(v / base, 3) for k, v in ms.items()}
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    flags = open("/proc/cpuinfo").read()
+    out = {"command": "python benchmarks/head_cost.py " + " ".join(
+               f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(a).items() if v is not None),
+           "model": a.model, "dtype": a.dtype, "context": a.context, "ms": ms, "ratio_to_target_forward_exact": ratios,
+           "cpu": cpu, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags, "threads": torch.get_num_threads(),
+           "torch": torch.__version__}
+    for k in items:
+        print(f"{k:32s} {ms[k]:8.2f} ms  {ratios[k]:6.3f}x target forward (exact)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
