@@ -12,6 +12,12 @@ is the median of --rounds rounds that each measure every configuration once, sid
 
     .venv/bin/python benchmarks/fast_decode.py --model smollm2-135m --tokens 64
     .venv/bin/python benchmarks/fast_decode.py --dtypes bfloat16 --no-compile --threads 1
+
+--weights bf16 q8 q4 measures the weights formats of fast/quant.py side by side instead of the engine
+variants: for each, plain decoding (exact mode) and n-gram speculation tok/s, and one forward over each
+of --positions new positions against the floor of that format's weight bytes (what one forward reads,
+FastDecoder.streamed_bytes, over the copy bandwidth). llama.cpp's eval of the same GGUF is timed beside
+when llama-cpp-python is importable, else reported "not run".
 """
 
 from __future__ import annotations
@@ -38,12 +44,10 @@ def _timed(fn, repeat: int = 1) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Bytes per second of a large tensor copy (read + write counted), median of a few."""
-    src = torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = _timed(lambda: dst.copy_(src), repeat=5)
-    return 2 * src.numel() / t
+    """Bytes per second of a large tensor copy (read + write counted), as the roofline measures it."""
+    from verispec.bench.roofline import copy_bandwidth as measure
+
+    return measure(torch.device("cpu"))["gb_per_s"] * 1e9
 
 
 @contextlib.contextmanager
@@ -57,7 +61,7 @@ def packing(on: bool):
         yield
     finally:
         if before is None:
-            del os.environ["VERISPEC_PACKED"]
+            os.environ.pop("VERISPEC_PACKED", None)
         else:
             os.environ["VERISPEC_PACKED"] = before
 
@@ -77,6 +81,29 @@ def forward_cost(runner, context: list[int], n: int, repeat: int) -> float:
     return _timed(one, repeat)
 
 
+def llamacpp_eval(target, ctx: list[int], args) -> dict:
+    """llama.cpp's time for one eval of 1 new position after the context, on the same GGUF, where
+    llama-cpp-python is installed (not a project dependency)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"status": "not run (llama-cpp-python is not installed)"}
+    if target.gguf_path is None:
+        return {"status": "not run (the model has no GGUF file)"}
+    llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    out = {}
+    for n in args.positions:
+        times = []
+        for _ in range(args.repeat):
+            llm.reset()
+            llm.eval(ctx)
+            t = time.perf_counter()
+            llm.eval(ctx[:n])
+            times.append(time.perf_counter() - t)
+        out[f"eval{n}_ms"] = statistics.median(times) * 1e3
+    return {"status": "run", **out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -88,6 +115,9 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows (compiling takes minutes)")
     ap.add_argument("--exact-bucket", type=int, default=8)
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    ap.add_argument("--weights", nargs="+", default=None, choices=["bf16", "q8", "q4"],
+                    help="compare these weights formats (bfloat16 exact plain decoding and n-gram) instead of the engine variants")
+    ap.add_argument("--positions", nargs="+", type=int, default=[1, 16], help="new positions of the timed single forwards")
     args = ap.parse_args()
 
     from verispec.api import build_engine
@@ -111,10 +141,14 @@ def main() -> None:
         ctx = (ids * 200)[:200]
         print(f"\n== {args.model} {dtype}: {weight_bytes / 1e6:.0f} MB of weights, floor {floor:.1f} tok/s")
 
-        def report(name, tok_s, f1=None, f16=None, note=""):
-            row = {"dtype": dtype, "config": name, "tok_s": tok_s, "fwd1_ms": f1, "fwd16_ms": f16, "note": note}
+        def report(name, tok_s, fwd=None, note="", extra=None):
+            fwd = fwd or {}
+            row = {"dtype": dtype, "config": name, "tok_s": tok_s, "fwd1_ms": fwd.get(1), "fwd16_ms": fwd.get(16),
+                   "fwd_ms": fwd, "note": note, **(extra or {})}
             rows.append(row)
-            cost = f" | 1 pos {f1 * 1e3:6.1f} ms, 16 pos {f16 * 1e3:6.1f} ms ({f16 / f1:.2f}x)" if f1 else ""
+            cost = " | " + ", ".join(f"{n} pos {ms:6.1f} ms" for n, ms in fwd.items()) if fwd else ""
+            if 1 in fwd and 16 in fwd:
+                cost += f" ({fwd[16] / fwd[1]:.2f}x)"
             print(f"{name:34s} {tok_s:6.1f} tok/s ({tok_s / floor:4.0%} of floor){cost} {note}", flush=True)
 
         x = torch.tensor([ids])
@@ -134,14 +168,19 @@ def main() -> None:
                    # F.linear on plain weights (VERISPEC_PACKED=0): what packing (widened for bf16 on CPUs
                    # without bf16 instructions, fast/packed.py) buys
                    ("engine fast, eager, not exact, unpacked", "fast", {"exact": False, "packed": False})]
-        if not args.no_compile:
+        if args.weights:  # the weights formats side by side (fast/quant.py), exact plain decoding and n-gram
+            configs = [c for w in args.weights for c in ((f"plain, exact, weights {w}", "fast", {"exact": True, "weights": w}),
+                                                        (f"ngram, exact, weights {w}", "fast", {"exact": True, "weights": w,
+                                                                                               "method": "ngram"}))]
+        elif not args.no_compile:
             configs += [("engine fast, compiled, exact", "fast", {"exact": True, "compile": True}),
                         ("engine fast, compiled, not exact", "fast", {"exact": False, "compile": True})]
         engines, warm = {}, {}
         for name, backend, opts in configs:
             with packing(opts.get("packed", True)):
-                engine = build_engine(target, "ar", backend=backend,
-                                      **{k: v for k, v in opts.items() if k not in ("natural_rows", "packed")})
+                target.weights = opts.get("weights", "bf16")
+                engine = build_engine(target, opts.get("method", "ar"), backend=backend,
+                                      **{k: v for k, v in opts.items() if k not in ("natural_rows", "packed", "weights", "method")})
             if isinstance(engine.runner, FastRunner):
                 engine.runner.exact_bucket = args.exact_bucket
                 engine.runner.natural_rows = opts.get("natural_rows", True)  # False: every layer runs 8 rows
@@ -152,20 +191,38 @@ def main() -> None:
         # every configuration once per round, rounds interleaved: the machine's speed drifts by tens of
         # percent over minutes, so each figure is the median over rounds measured side by side
         seen: dict[str, list[tuple]] = {name: [] for name in ["transformers generate()", *engines]}
+        outputs: dict[str, list[int]] = {}
         for _ in range(args.rounds):
-            seen["transformers generate()"].append((hf_generate(), None, None))
+            seen["transformers generate()"].append((hf_generate(), {}))
             for name, backend, opts in configs:
                 engine = engines[name]
                 gen = engine.generate(ids, params)
                 runner = engine.runner
                 if isinstance(runner, FastRunner):
                     runner.exact = bool(opts.get("exact"))
-                seen[name].append((gen.stats.new_tokens / gen.stats.total_time,
-                                   forward_cost(runner, ctx, 1, args.repeat), forward_cost(runner, ctx, 16, args.repeat)))
+                fwd = {n: forward_cost(runner, ctx, n, args.repeat) for n in args.positions} if "ngram" not in name else {}
+                seen[name].append((gen.stats.new_tokens / gen.stats.total_time, fwd))
+                outputs[name] = gen.token_ids
         for name, got in seen.items():
-            tok_s, f1, f16 = (statistics.median(v) if v[0] is not None else None for v in zip(*got))
+            tok_s = statistics.median(g[0] for g in got)
+            fwd = {n: statistics.median(g[1][n] for g in got) * 1e3 for n in (got[0][1] or {})}
             compiled = name in warm and "compiled" in name
-            report(name, tok_s, f1, f16, note=f"(first call {warm[name]:.1f} s)" if compiled else "")
+            extra = {}
+            if name in engines and isinstance(engines[name].runner, FastRunner):
+                net = engines[name].runner.net
+                nbytes = net.streamed_bytes()
+                extra = {"weights": net.weights, "weight_bytes": nbytes, "floor_ms": nbytes / bw * 1e3}
+                if fwd:
+                    extra["fwd1_over_floor"] = fwd[min(fwd)] / extra["floor_ms"]
+                if name.startswith("ngram"):  # speculation must give plain decoding's tokens with the same weights
+                    extra["equals_plain"] = outputs[name] == outputs[name.replace("ngram", "plain", 1)]
+            report(name, tok_s, fwd, note=f"(first call {warm[name]:.1f} s)" if compiled else "", extra=extra)
+            if extra and fwd:
+                print(f"{'':34s} {net.weights}: {nbytes / 1e6:.0f} MB read per forward, floor {extra['floor_ms']:.1f} ms, "
+                      f"{min(fwd)} pos = {extra['fwd1_over_floor']:.2f}x the floor")
+        if args.weights:
+            rows.append({"dtype": dtype, "config": "llama.cpp eval of the same GGUF", **llamacpp_eval(target, ctx, args)})
+            print(f"{'llama.cpp eval':34s} {rows[-1]}")
         del target, model
     if args.json:
         with open(args.json, "w") as fh:

@@ -153,6 +153,14 @@ def _contenders(target, methods, draft, baselines, draft_length, threads):
     return built, skipped
 
 
+def _weights_format(target) -> str:
+    """The fast path's weights format the target's engines run (fast/quant.py), "auto" resolved."""
+    from verispec.fast.quant import resolve
+
+    return resolve(getattr(target, "weights", "auto"), target.dtype, target.device,
+                   getattr(target, "weight_source", None) is not None)
+
+
 def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None = None, *, draft=None,
               baselines=(), max_new_tokens: int = 64, draft_length: int = 5, warmup: int = 1,
               prompt_mode: str = "auto", roofline=None, progress: bool = True, threads: int | None = None,
@@ -250,6 +258,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
         "schema": SCHEMA,
         "config": {
             "model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+            "weights": _weights_format(target),
             "draft": getattr(draft, "name", None), "prompt_set": prompt_set, "prompt_mode": "chat" if chat else "raw",
             "max_new_tokens": max_new_tokens, "draft_length": draft_length, "warmup": warmup,
             "greedy": True, "batch_size": 1,

@@ -101,7 +101,8 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
         raise InvalidParameter(f"context {context} + N {ns[-1]} exceeds the model's {target.context_length} positions; "
                                "lower --context or --max-n")
     device = target.device
-    runner = make_runner(target.model, backend, exact=False)
+    runner = make_runner(target.model, backend, exact=False, weights=getattr(target, "weights", "auto"),
+                         weight_source=getattr(target, "weight_source", None))
     gen = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
     ctx_ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -127,12 +128,16 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
     runner.reset()
     bw = copy_bandwidth(device, bandwidth_bytes)
     wb = weight_bytes(target.model)
+    fmt = runner.net.weights if isinstance(runner, FastRunner) else "bf16"
+    if fmt != "bf16":  # quantized (fast/quant.py): the floor is set by the bytes of that format
+        wb = {**wb, "streamed": runner.net.streamed_bytes()}
     return summarize({
         "schema": "verispec-roofline/1",
         "model": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(device),
         "backend": "fast" if isinstance(runner, FastRunner) else "hf",
+        "weights": fmt,
         "context": context,
         "repeats": repeats,
         "warmup": warmup,

@@ -13,6 +13,9 @@ from rich.table import Table
 
 from verispec.cli import app, fail, friendly
 
+WEIGHTS_HELP = ("Fast path weights: bf16 (dense, in --dtype), q8 (int8 per channel), q4 (int4 groups of 32: a GGUF's own "
+                "Q4_0/Q4_1 blocks); quantized ones need --dtype bfloat16 on CPU. auto: see README.")
+
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -42,6 +45,7 @@ def roofline(
     warmup: int = typer.Option(2, "--warmup", help="Untimed forwards per N first."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     backend: str = typer.Option("auto", "--backend", help="auto (the engine's default: the fast path where the family has one), hf or fast."),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     output: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON file (default results/roofline-MODEL-DTYPE-DEVICE.json); the PNG goes next to it."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -54,7 +58,7 @@ def roofline(
 
     _threads(threads)
     ns = rl.default_ns(max_n)
-    target = load_model(model, dtype=dtype, device=device)
+    target = load_model(model, dtype=dtype, device=device, weights=weights)
     bar = tqdm(total=len(ns), disable=not progress, desc="roofline", unit="N")
     result = rl.measure(target, context=context, ns=ns, repeats=repeats, warmup=warmup, backend=backend,
                         progress=lambda n: (bar.set_postfix_str(f"N={n}"), bar.update(1)))
@@ -132,6 +136,7 @@ def bench(
     prompt_mode: str = typer.Option("auto", "--prompt-mode", help="chat (tokenizer's chat template), raw, or auto."),
     roofline_file: Optional[Path] = typer.Option(None, "--roofline", help="Roofline JSON for predicted speedups with the measured verification cost."),
     dtype: str = typer.Option("float32", "--dtype"),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     device: str = typer.Option("cpu", "--device"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     seed: int = typer.Option(0, "--seed", help="Seed of the question sample."),
@@ -166,7 +171,7 @@ def bench(
     if group_tasks:
         questions = pr.group_tasks(questions)
     questions = pr.sample(questions, per_category or None, seed=seed, only=_csv(categories) or None)
-    target = load_model(model, dtype=dtype, device=device)
+    target = load_model(model, dtype=dtype, device=device, weights=weights)
     draft_model = load_model(draft, dtype=target.dtype, device=target.device) if draft else None
     result = run_bench(target, specs, questions, draft=draft_model, baselines=names, max_new_tokens=max_new_tokens,
                        draft_length=draft_length, warmup=warmup, prompt_mode=prompt_mode, roofline=roofline_file,

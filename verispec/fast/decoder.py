@@ -98,6 +98,16 @@ class FastDecoder:
         self._kinds[tuple(dense.shape)] = "q4" if isinstance(q, quant.Int4) else "q8"
         return q
 
+    def streamed_bytes(self) -> int:
+        """Bytes of weights one forward reads whole: the projections, norms and LM head in the format they
+        run in (the embedding gives only its looked-up rows; packed.py's bf16 hybrid counts both its copies).
+        Bytes / copy bandwidth is the floor of a forward."""
+        def size(t) -> int:
+            if isinstance(t, torch.Tensor):
+                return t.numel() * t.element_size()
+            return sum(size(x) for x in t) if isinstance(t, (tuple, list)) else 0
+        return sum(size(t) for lw in self.layers for t in lw.values()) + size(self.lm_head) + size(self.final_norm)
+
     @property
     def n_layers(self) -> int:
         return len(self.layers)

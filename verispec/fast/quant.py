@@ -154,9 +154,11 @@ def available(fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
-def default_format(dtype: torch.dtype, device: torch.device, from_file: bool) -> str:
-    """The weights format `weights="auto"` runs: "bf16" (dense) unless the model came from a quantized
-    file (a weight source), bfloat16 on CPU; see DEFAULT for which the measurements chose there."""
+def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_file: bool) -> str:
+    """The format `weights` names; "auto" / None: "bf16" (dense) unless the model came from a quantized
+    file (a weight source) and runs in bfloat16 on CPU, where DEFAULT (what the measurements chose)."""
+    if weights not in (None, "auto"):
+        return weights
     if not from_file or available(DEFAULT, dtype, device) is not None:
         return "bf16"
     return DEFAULT

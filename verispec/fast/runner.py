@@ -70,14 +70,12 @@ class FastRunner:
         """model: a loaded transformers causal LM of a supported family (its weights are shared).
         capacity: the most positions a sequence may hold (default: min(max positions, 4096)).
         exact: True / False, or None = on for greedy and off for sampling (set by `prepare`).
-        weights: "bf16" (dense), "q8", "q4" (fast/quant.py), or None / "auto" (quant.default_format);
+        weights: "bf16" (dense), "q8", "q4" (fast/quant.py), or None / "auto" (quant.resolve);
         weight_source: name -> a file's own weights (models/gguf_weights.py), None: the model's."""
         from verispec.fast import quant
 
-        fmt = weights
-        if weights in (None, "auto"):
-            p = next(model.parameters())
-            fmt = quant.default_format(p.dtype, p.device, weight_source is not None)
+        p = next(model.parameters())
+        fmt = quant.resolve(weights, p.dtype, p.device, weight_source is not None)
         self.net = build_fast_model(model, weights=fmt, weight_source=weight_source)
         if exact_bucket < 1 or exact_max_rows < 1 or any(b < 1 for b in buckets):
             raise ValueError("buckets must be positive")
