@@ -37,6 +37,8 @@ def friendly(fn):
             fail(f"the input is not valid UTF-8 ({exc.reason} at byte {exc.start}); save the file as UTF-8")
         except FileNotFoundError as exc:
             fail(f"no such file: {exc.filename}")
+        except OSError as exc:  # a directory, no permission, ...: one line, no traceback
+            fail(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}")
         except KeyboardInterrupt:
             fail("interrupted", 130)
 

@@ -31,6 +31,12 @@ _TreePaths = Annotated[list[_TreePath], Field(min_length=1, max_length=MAX_TREE_
 _TreeName = Annotated[str, StringConstraints(max_length=8192)]
 
 
+def _printable(text: str, quote: bool = True) -> str:
+    """A user's text inside a message: lone surrogates escaped (pydantic encodes messages as UTF-8)."""
+    safe = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"'{safe}'" if quote else safe
+
+
 class SpeculationSettings(BaseModel):
     """Engine options a user may set: for build_engine, `verispec generate` and a request's "verispec"."""
 
@@ -65,7 +71,7 @@ class SpeculationSettings(BaseModel):
         from verispec.drafters import METHODS
 
         if v is not None and v not in METHODS:
-            raise ValueError(f"unknown method '{v[:40]}'; use one of: {', '.join(METHODS)}")
+            raise ValueError(f"unknown method {_printable(v[:40])}; use one of: {', '.join(METHODS)}")
         return v
 
     @field_validator("tree")
@@ -75,12 +81,17 @@ class SpeculationSettings(BaseModel):
             try:
                 parse_tree(v)
             except InvalidParameter as exc:
-                raise ValueError(str(exc)) from None
+                raise ValueError(_printable(str(exc), quote=False)) from None
         return v
 
 
-def error_line(exc: ValidationError, prefix: str = "") -> tuple[str, str]:
-    """(dotted field name, one-line message) for the first problem of a pydantic ValidationError."""
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"), "greater_than": (">", "gt"),
+           "less_than": ("<", "lt")}
+
+
+def error_line(exc: ValidationError, prefix: str = "", label=None) -> tuple[str, str]:
+    """(dotted field name, one-line message) for the first problem of a pydantic ValidationError;
+    label(field) renames the field in the message (the CLI shows its flags)."""
     errors = exc.errors(include_url=False)
     first = errors[0] if errors else {}
     # a union field reports one error per branch; the branch whose type matched says what is wrong
@@ -94,28 +105,33 @@ def error_line(exc: ValidationError, prefix: str = "") -> tuple[str, str]:
             first = {**first, "msg": f"Value error, wrong type: expected {field.description}, got {first.get('input')!r:.60}"}
     loc = ".".join(str(p) for i, p in enumerate(first.get("loc", ())) if i == 0 or isinstance(p, int))
     name = f"{prefix}{loc}" if loc else prefix.rstrip(".")
+    head, dot, rest = name.partition(".")
+    shown_name = label(head) + dot + rest if label is not None and name else name
     msg = str(first.get("msg", "invalid value"))
     kind = first.get("type", "")
     if kind == "extra_forbidden":
-        return name, f"unknown option '{name}'"
+        return name, f"unknown option '{shown_name}'"
+    shown = repr(first.get("input"))
+    got = f", got {shown[:60] + '...' if len(shown) > 60 else shown}"
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    else:
-        got = first.get("input")
-        shown = repr(got)
-        msg = f"{msg[0].lower()}{msg[1:]}, got {shown[:60] + '...' if len(shown) > 60 else shown}"
-    return name, f"{name}: {msg}" if name else msg
+        return name, f"{shown_name}: {msg[len('Value error, '):]}" if name else msg[len("Value error, "):]
+    if kind in _BOUNDS:
+        op, key = _BOUNDS[kind]
+        return name, f"{shown_name} must be {op} {(first.get('ctx') or {}).get(key)}{got}"
+    msg = f"{msg[0].lower()}{msg[1:]}{got}"
+    return name, f"{shown_name}: {msg}" if name else msg
 
 
-def check_speculation(**options: Any) -> SpeculationSettings:
-    """Validate engine options (None values count as not given); InvalidParameter names the first bad one."""
+def check_speculation(label=None, **options: Any) -> SpeculationSettings:
+    """Validate engine options (None values count as not given); InvalidParameter names the first bad
+    one (as label(field) when given: the CLI names its flags)."""
     given = {k: v for k, v in options.items() if v is not None}
     if isinstance(given.get("tree_budget"), str) and given["tree_budget"].strip().isdigit():
         given["tree_budget"] = int(given["tree_budget"])  # the CLI passes --tree-budget as text
     try:
         return SpeculationSettings.model_validate(given)
     except ValidationError as exc:
-        name, line = error_line(exc)
+        name, line = error_line(exc, label=label)
         if line.startswith("unknown option"):
             line += f"; use one of: {', '.join(SpeculationSettings.model_fields)}"
         raise InvalidParameter(line) from None

@@ -16,6 +16,8 @@ out = Console(highlight=False)
 
 def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
     if prompt_file is not None:
+        if prompt_file.is_dir():
+            fail(f"--prompt-file {prompt_file} is a directory; give a text file")
         data = prompt_file.read_bytes()
         return data.decode("utf-8")  # invalid UTF-8 raises UnicodeDecodeError -> one-line error
     return prompt
@@ -67,23 +69,19 @@ def generate(
         fail("give either a prompt or --chat, not both")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             max_new_tokens=max_new_tokens, stop=tuple(stop))
-    if draft_length < 1:
-        fail(f"--draft-length must be >= 1, got {draft_length}")
-    if backend not in ("auto", "hf", "fast"):
-        fail(f"--backend must be auto, hf or fast, got {backend!r}")
     fast = {"backend": backend, "exact": exact, "compile": compile_}
     if tree is None and (tree_budget is not None or tree_topk is not None or tree_depth is not None):
         fail("--tree-budget, --tree-topk and --tree-depth need --tree")
+    from verispec.options import check_speculation
     from verispec.tree import parse_tree
 
-    parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)  # bad tree options fail before loading
     tree_opts = {"tree": tree, "tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree else {}
     suffix_opts = {k: v for k, v in {"suffix_cache": suffix_cache, "suffix_alpha": suffix_alpha,
                                      "suffix_min_prob": suffix_min_prob, "suffix_depth": suffix_depth}.items() if v is not None}
-    if suffix_opts:
-        from verispec.options import check_speculation
-
-        check_speculation(method=method, **suffix_opts)  # bad values fail before the model loads
+    # the schema the API and the server check with (verispec.options), before the model loads
+    check_speculation(label=lambda field: "--" + field.replace("_", "-"), method=method, draft_length=draft_length,
+                      adaptive=adaptive, ngram_max=ngram_max, backend=backend, exact=exact, **tree_opts, **suffix_opts)
+    parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)  # how the tree options combine
     target = load_model(model, dtype=dtype, device=device)
     ids = target.encode(prompt=text, chat=chat)
     engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max,

@@ -28,13 +28,20 @@ def serve(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="Most tokens a request may ask for."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="Tokens generated when a request gives no max_tokens."),
-    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Longest prompt accepted (default: the context window)."),
+    max_prompt_tokens: int = typer.Option(2048, "--max-prompt-tokens",
+                                          help="Longest prompt accepted, in tokens (capped at the context window). "
+                                               "The default 2048 is well under the embedded models' 8192: a prompt's "
+                                               "prefill holds a worker, stopped only between chunks of 256 tokens."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted."),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the engine; more get 429."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds a request may take, queue wait included."),
     workers: int = typer.Option(1, "--workers", help="Generations run at once (engine threads sharing the model)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice; 1 helps "
                                                                  "on a machine whose cores are busy with other work)."),
+    allowed_host: list[str] = typer.Option([], "--allowed-host",
+                                           help="A Host header value the server answers to (repeatable; '*' = any). "
+                                                "Default: localhost, 127.0.0.1, ::1 and --host, so a web page cannot "
+                                                "reach the server through DNS rebinding."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ):
     """Serve a model over an OpenAI-compatible HTTP API, with a live page at / showing the drafts."""
@@ -50,7 +57,8 @@ def serve(
         fail("--method draft needs --draft MODEL")
     for label, value, low in (("--draft-length", draft_length, 1), ("--max-tokens", max_tokens, 1),
                               ("--default-max-tokens", default_max_tokens, 1), ("--max-body-bytes", max_body_bytes, 1),
-                              ("--max-queue", max_queue, 0), ("--workers", workers, 1), ("--port", port, 0)):
+                              ("--max-queue", max_queue, 0), ("--workers", workers, 1), ("--port", port, 0),
+                              ("--max-prompt-tokens", max_prompt_tokens, 1)):
         if value < low:
             fail(f"{label} must be >= {low}, got {value}")
     if threads is not None and threads < 1:
@@ -61,6 +69,12 @@ def serve(
         fail(f"--timeout must be > 0, got {timeout}")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         err.print(f"[yellow]warning:[/] binding {host} without --api-key: anyone who can reach this address can use the model")
+    from verispec.server.app import LOOPBACK_HOSTS
+
+    hosts = tuple(allowed_host) or LOOPBACK_HOSTS + (() if host in LOOPBACK_HOSTS + ("0.0.0.0", "::", "") else (host,))
+    if host in ("0.0.0.0", "::") and not allowed_host:
+        err.print(f"[yellow]note:[/] requests must name one of {', '.join(hosts)} in their Host header; add the names "
+                  "clients use with --allowed-host NAME (or '*')")
 
     if threads is not None:
         import torch
@@ -72,7 +86,7 @@ def serve(
                           engine_options={"ngram_max": ngram_max, **({"head": head} if head else {})},
                           default_max_tokens=default_max_tokens,
                           max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-                          max_queue=max_queue, timeout=timeout, api_key=api_key, workers=workers)
+                          max_queue=max_queue, timeout=timeout, api_key=api_key, workers=workers, allowed_hosts=hosts)
     server_app = create_app(target, config, draft=draft_model)
     err.print(f"serving {target.name} ({method}) on http://{host}:{port}/  (OpenAI API under /v1, metrics at /metrics)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -19,6 +19,11 @@ from verispec.errors import InvalidPrompt, ModelNotFound, VerispecError
 log = logging.getLogger("verispec.server")
 
 
+def _utf8(text: str) -> str:
+    """A client's lone surrogates echoed in a message, escaped: the body must encode as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
     """An error to answer with: HTTP status, message, OpenAI error type, offending param, code."""
 
@@ -26,6 +31,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        message, param = _utf8(message), None if param is None else _utf8(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
