@@ -53,7 +53,7 @@ def test_bad_sampling_parameters(tiny, kw):
 
 
 def test_bad_draft_length_and_method(tiny):
-    with pytest.raises(errors.InvalidParameter, match="draft length"):
+    with pytest.raises(errors.InvalidParameter, match="draft_length must be >= 1"):  # the shared schema names the parameter
         build_engine(tiny, "ngram", draft_length=0)
     with pytest.raises(errors.InvalidParameter, match="unknown method"):
         build_engine(tiny, "telepathy")

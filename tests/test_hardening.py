@@ -345,3 +345,23 @@ def test_cli_bad_values_fail_in_one_line_before_loading(args, needle):
 
 def test_cli_prompt_file_that_is_a_directory(tmp_path):
     _one_cli_error(_cli("generate", "--prompt-file", str(tmp_path)), "is a directory")
+
+
+# --------------------------------------------------------------------------- runners share the weights
+def test_runners_of_one_model_share_its_fast_weights():
+    from verispec.fast import FastRunner
+
+    model = tiny_llama(seed=5)
+    a, b = FastRunner(model), FastRunner(model)
+    assert a.net is b.net  # one copy of the fused/packed weights
+    assert all(x.data_ptr() != y.data_ptr() for x, y in zip(a.kv, b.kv))  # a KV cache each
+    other = FastRunner(tiny_llama(seed=6))
+    assert other.net is not a.net
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # changed in place: a new runner must see the new weights
+    c = FastRunner(model)
+    assert c.net is not a.net
+    ref = FastRunner(tiny_llama(seed=5))
+    with torch.no_grad():
+        ref_model_logits = ref.forward([1, 2, 3])
+    assert torch.allclose(c.forward([1, 2, 3]), 2.0 * ref_model_logits, atol=1e-4)

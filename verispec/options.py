@@ -53,7 +53,7 @@ class SpeculationSettings(BaseModel):
         None, description="dynamic, static:<name> (chain4, small, medium, large, xl) or a list of paths of "
                           "sibling ranks such as [[0],[1],[0,0]]")
     tree_budget: Union[Annotated[int, Field(ge=1, le=MAX_TREE_NODES)], Literal["auto"], None] = Field(
-        None, description="dynamic tree: nodes verified per step, or auto")
+        None, description="dynamic tree budget: nodes verified per step, an integer or auto")
     tree_topk: int | None = Field(None, ge=1, le=MAX_TREE_RANK + 1, description="dynamic tree: branching")
     tree_depth: int | None = Field(None, ge=1, le=MAX_TREE_DEPTH, description="deepest tree level")
     backend: Literal["auto", "hf", "fast"] | None = Field(None, description="auto, hf (transformers) or fast")

@@ -37,6 +37,9 @@ FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). 
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from verispec.errors import InvalidPrompt, UnsupportedModel
@@ -58,6 +61,31 @@ def build_fast_model(model, **weight_options):
                            "supported (Llama family, Qwen2/3, Mistral, Gemma 3); use backend 'hf'")
 
 
+# Runners of one model share its fast module: the fused and packed (or quantized) weights, a copy as
+# large as the model, are built once per model and weight setting, and each runner adds only its KV
+# cache. Keyed weakly by the transformers model; the key also holds the kernels packed.py picks now
+# (VERISPEC_PACKED, a test forcing the bf16 hybrid) and the parameters' version counters, so a model
+# changed in place gets a fresh module.
+_SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_fast_model(model, weights: str = "bf16", weight_source=None):
+    """build_fast_model(model, ...), built once per model and setting and shared by its runners."""
+    from verispec.fast import packed
+
+    p = next(model.parameters())
+    source = getattr(weight_source, "__self__", weight_source)  # a bound method is new on every access
+    version = sum(t._version for t in model.parameters())
+    key = (weights, id(source) if source is not None else None, packed.linear_for(p.dtype, p.device), version)
+    with _SHARED_LOCK:
+        built = {k: v for k, v in _SHARED.get(model, {}).items() if k[-1] == version}  # stale ones go
+        if key not in built:
+            built[key] = build_fast_model(model, weights=weights, weight_source=weight_source)
+        _SHARED[model] = built
+        return built[key]
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -76,7 +104,7 @@ class FastRunner:
 
         p = next(model.parameters())
         fmt = quant.resolve(weights, p.dtype, p.device, weight_source is not None)
-        self.net = build_fast_model(model, weights=fmt, weight_source=weight_source)
+        self.net = shared_fast_model(model, weights=fmt, weight_source=weight_source)
         if exact_bucket < 1 or exact_max_rows < 1 or any(b < 1 for b in buckets):
             raise ValueError("buckets must be positive")
         if kv_block % 16:  # whole SIMD vectors, so reductions over L keep their association as L grows
