@@ -389,7 +389,8 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
 
     async def next_item(job: Job, request: Request | None) -> tuple[str, Any]:
         """The job's next report. While waiting, a gone client or a passed deadline withdraws a queued
-        job at once (a running one stops at its next step and reports "cancelled")."""
+        job at once; a running one stops at its next check (between steps or prefill chunks) and counts
+        itself cancelled, and a passed deadline is answered now, not after that check."""
         while True:
             try:
                 return await asyncio.wait_for(job.items.get(), timeout=0.25)
@@ -404,7 +405,7 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
                 job.cancel("timeout")
                 if scheduler.withdraw(job):
                     metrics.cancel("timeout")
-                    raise timeout_error(job)
+                raise timeout_error(job)
 
     def cancelled_error(job: Job, reason: str) -> Exception:
         if reason == "timeout":
