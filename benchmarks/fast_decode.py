@@ -27,11 +27,24 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
+
+
+def _cpu() -> str:
+    """The CPU's model name and its bf16 / AMX / VNNI flags (figures depend on them)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    keep = [f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")]
+    return f"{name} ({' '.join(keep)})"
 
 
 def _timed(fn, repeat: int = 1) -> float:
@@ -118,6 +131,7 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=None, choices=["bf16", "q8", "q4"],
                     help="compare these weights formats (bfloat16 exact plain decoding and n-gram) instead of the engine variants")
     ap.add_argument("--positions", nargs="+", type=int, default=[1, 16], help="new positions of the timed single forwards")
+    ap.add_argument("--chat", default=None, help="a chat message to decode (chat template) instead of the raw prompt")
     args = ap.parse_args()
 
     from verispec.api import build_engine
@@ -136,7 +150,7 @@ def main() -> None:
         model = target.model
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         floor = bw / weight_bytes  # forwards per second if only the weights were read
-        ids = target.encode(prompt=PROMPT)
+        ids = target.encode(chat=args.chat) if args.chat else target.encode(prompt=PROMPT)
         params = SamplingParams(max_new_tokens=args.tokens)
         ctx = (ids * 200)[:200]
         print(f"\n== {args.model} {dtype}: {weight_bytes / 1e6:.0f} MB of weights, floor {floor:.1f} tok/s")
@@ -226,7 +240,8 @@ def main() -> None:
         del target, model
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"copy_bandwidth": bw, "rows": rows}, fh, indent=1)
+            json.dump({"copy_bandwidth": bw, "rows": rows, "command": " ".join(["python", *sys.argv]),
+                       "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _cpu()}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -128,10 +128,10 @@ def test_row_invariance_probe_runs_the_quantized_kernels(monkeypatch):
     def below_three(x, w, b=None):
         y = real(x, w, b)
         return y * (1 + 2 ** -7) if x.shape[0] < 3 else y  # one bfloat16 ulp: another rounding
-    model = tiny_llama(layers=2, hidden=64).to(torch.bfloat16)
     floors = {}
     for name, lin in (("real", real), ("planted", below_three)):
         monkeypatch.setattr(quant, "linear", lin)
+        model = tiny_llama(layers=2, hidden=64).to(torch.bfloat16)  # a new model: runners of one share its module
         r = FastRunner(model, capacity=64, exact=True, exact_max_rows=8, weights="q4")
         assert r.net.linear is lin
         floors[name] = r.net.row_floor(8, r.kv_block)
@@ -152,6 +152,9 @@ def test_greedy_speculation_equals_plain_decoding_with_quantized_weights(fmt):
         want = plain.generate(prompt, params).token_ids
         for method, opts in (("ngram", {}), ("draft", {"draft": draft}), ("ngram", {"tree": "static:small"})):
             assert build_engine(target, method, backend="fast", **opts).generate(prompt, params).token_ids == want
+    # the API's weights= overrides the loaded model's format, and a model without a GGUF runs dense on "auto"
+    assert build_engine(target, "ar", backend="fast", weights="bf16").runner.net.weights == "bf16"
+    assert build_engine(target, "ar", backend="fast", weights="auto").runner.net.weights == "bf16"
 
 
 @pytest.mark.real_model
@@ -171,14 +174,14 @@ def test_smollm2_q4_runs_the_files_own_blocks():
         names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
         groups = quant.Groups.cat([source(n) for n in names])  # Groups: the file's blocks, checked on read
         assert isinstance(lw["wqkv"], quant.Int4)
-        ref = torch.cat([target._source.dense(n) for n in names])  # the file's float32 dequantization
+        ref = torch.cat([source.dense(n) for n in names])  # the file's float32 dequantization
         err = (quant.effective(lw["wqkv"], groups) - ref).abs()
         bound = ((8 * groups.d.abs() + (groups.m + 8 * groups.d).abs()) * BF16_U).repeat_interleave(32, 1)
         assert (err <= bound * (1 + 1e-6) + 1e-7).all()
         worst = max(worst, float(err.max()))
         assert all(isinstance(lw[k], quant.Int4) for k in ("wo", "wgu", "wdown"))
     assert 0 < worst <= 2 ** -5  # 0.0156 on this file (module docstring of quant.py)
-    head = target._source.dense("lm_head.weight")
+    head = source.dense("lm_head.weight")
     assert isinstance(net.lm_head, quant.Int8)
     err = (quant.effective(net.lm_head) - head).abs()
     assert (err <= net.lm_head.scale.float()[:, None] / 2 * (1 + 1e-6)).all()

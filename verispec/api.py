@@ -11,7 +11,7 @@ from verispec.tree import parse_tree
 from verispec.types import SamplingParams
 
 TREE_OPTIONS = ("tree", "tree_budget", "tree_topk", "tree_depth", "verify_cost")
-BACKEND_OPTIONS = ("backend", "exact", "compile")
+BACKEND_OPTIONS = ("backend", "exact", "compile", "weights")
 SUFFIX_OPTIONS = ("suffix_cache", "suffix_alpha", "suffix_min_prob", "suffix_depth")
 
 
@@ -20,7 +20,7 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
                  tree_budget: int | str | None = None, tree_topk: int | None = None, tree_depth: int | None = None,
                  verify_cost: dict[int, float] | None = None, backend: str = "auto", exact: bool | None = None,
                  compile: bool = False, runner=None, head=None, suffix_cache="global", suffix_alpha: float = 1.0,
-                 suffix_min_prob: float = 0.1, suffix_depth: int = 24) -> Engine:
+                 suffix_min_prob: float = 0.1, suffix_depth: int = 24, weights: str | None = None) -> Engine:
     """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS.
 
     Trees (methods ngram and draft): tree = "dynamic", "static:<name>" (names in tree.STATIC_TREES),
@@ -32,6 +32,7 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     Backend: "auto" (verispec.fast when the family has a fast module, else transformers), "hf", "fast".
     exact (fast path): True/False, None = on for greedy (bit-identical speculative and plain output);
     compile (fast path): torch.compile the decode/verify passes (slow first calls).
+    weights (fast path): "auto", "bf16", "q8", "q4" (verispec/fast/quant.py); None = the loaded model's.
     runner: reuse the runner of an earlier engine built with the same backend/exact/compile (a fast
     runner holds a copy of the fused weights and a KV cache; servers keep a few and pass them in).
     head (methods eagle, medusa): a trained head folder (verispec train); None = the one shipped for the target.
@@ -58,7 +59,8 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
                            suffix_depth=suffix_depth, **({"head": head} if head is not None else {}))
     return Engine.for_model(target, drafter, draft_length=draft_length, adaptive=adaptive,
                             max_draft_length=max_draft_length, method=method, tree=shape, verify_cost=verify_cost,
-                            backend=backend, runner_options={"exact": exact, "compile": compile}, runner=runner)
+                            backend=backend, runner_options={"exact": exact, "compile": compile, "weights": weights},
+                            runner=runner)
 
 
 def _params(temperature=0.0, top_k=0, top_p=1.0, seed=None, max_new_tokens=128, stop=()) -> SamplingParams:

@@ -158,6 +158,10 @@ def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_
     """The format `weights` names; "auto" / None: "bf16" (dense) unless the model came from a quantized
     file (a weight source) and runs in bfloat16 on CPU, where DEFAULT (what the measurements chose)."""
     if weights not in (None, "auto"):
+        if weights not in FORMATS:
+            from verispec.errors import InvalidParameter
+
+            raise InvalidParameter(f"unknown weights '{weights}'; use one of auto, {', '.join(FORMATS)}")
         return weights
     if not from_file or available(DEFAULT, dtype, device) is not None:
         return "bf16"

@@ -51,12 +51,21 @@ def rope_rows(n_rows: int, n_heads: int) -> torch.Tensor:
 
 
 class GGUFWeights:
-    """Weights of one GGUF file (Llama family) by transformers parameter name; see the module docstring."""
+    """Weights of one GGUF file (Llama family) by transformers parameter name; see the module docstring.
+    Called as a function (a weight source of fast/decoder.py); the file is opened on first use (its
+    index takes ~2 s to read), and one object per loaded model keeps the runners' shared modules shared."""
 
     def __init__(self, gguf: Path, converted: Path):
+        self.gguf, self.converted = Path(gguf), Path(converted)
+        self._tensors = None
+        self._dense = None
+
+    def __call__(self, name: str) -> Groups | torch.Tensor | None:
+        return self.get(name)
+
+    def _open(self) -> None:
         from gguf import GGUFReader
 
-        self.gguf, self.converted = Path(gguf), Path(converted)
         reader = GGUFReader(str(self.gguf))
         self._tensors = {t.name: t for t in reader.tensors}
         arch = reader.fields["general.architecture"]
@@ -66,7 +75,6 @@ class GGUFWeights:
             if field in reader.fields:
                 f = reader.fields[field]
                 self._heads[key] = int(f.parts[f.data[0]][0])
-        self._dense = None
 
     def _gguf_name(self, name: str) -> str | None:
         if name == "lm_head.weight":
@@ -99,6 +107,8 @@ class GGUFWeights:
     def get(self, name: str) -> Groups | torch.Tensor | None:
         """The GGUF's 4-bit blocks for `name` where it has them (checked against the float32 weight),
         else the float32 weight, else None."""
+        if self._tensors is None:
+            self._open()
         ref = self.dense(name)
         t = self._tensors.get(self._gguf_name(name) or "")
         if t is None or t.tensor_type.name not in ("Q4_0", "Q4_1") or ref is None:

@@ -54,17 +54,14 @@ class LoadedModel:
     @property
     def weight_source(self):
         """name -> the GGUF's own weights (models/gguf_weights.py) for a model loaded from a GGUF, else
-        None. Opened on first use (reading the file's index takes ~2 s)."""
+        None. One object per loaded model (runners share the modules built from it), opened on first use."""
         if self.gguf_path is None or self.converted_path is None:
             return None
+        if self._source is None:
+            from verispec.models.gguf_weights import GGUFWeights
 
-        def get(name: str):
-            if self._source is None:
-                from verispec.models.gguf_weights import GGUFWeights
-
-                self._source = GGUFWeights(self.gguf_path, self.converted_path)
-            return self._source.get(name)
-        return get
+            self._source = GGUFWeights(self.gguf_path, self.converted_path)
+        return self._source
 
     @property
     def vocab_size(self) -> int:
