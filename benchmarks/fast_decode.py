@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -240,7 +241,7 @@ def main() -> None:
         del target, model
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"copy_bandwidth": bw, "rows": rows, "command": " ".join(["python", *sys.argv]),
+            json.dump({"copy_bandwidth": bw, "rows": rows, "command": shlex.join(["python", *sys.argv]),
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _cpu()}, fh, indent=1)
 
 

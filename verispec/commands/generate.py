@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from verispec.cli import app, fail, friendly
+from verispec.commands.bench import WEIGHTS_HELP
 
 out = Console(highlight=False)
 
@@ -46,6 +47,7 @@ def generate(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
     compare: bool = typer.Option(False, "--compare", help="Also run plain decoding on the same input and print the speedup."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not stream the text, print only the statistics."),
@@ -82,7 +84,7 @@ def generate(
     check_speculation(label=lambda field: "--" + field.replace("_", "-"), method=method, draft_length=draft_length,
                       adaptive=adaptive, ngram_max=ngram_max, backend=backend, exact=exact, **tree_opts, **suffix_opts)
     parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)  # how the tree options combine
-    target = load_model(model, dtype=dtype, device=device)
+    target = load_model(model, dtype=dtype, device=device, weights=weights)
     ids = target.encode(prompt=text, chat=chat)
     engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max,
                           **fast, **tree_opts, **suffix_opts)

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from verispec.cli import app, err, fail, friendly
+from verispec.commands.bench import WEIGHTS_HELP
 
 
 @app.command()
@@ -25,6 +26,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 (or set VERISPEC_API_KEY)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
     max_tokens: int = typer.Option(2048, "--max-tokens", help="Most tokens a request may ask for."),
     default_max_tokens: int = typer.Option(256, "--default-max-tokens", help="Tokens generated when a request gives no max_tokens."),
@@ -80,7 +82,7 @@ def serve(
         import torch
 
         torch.set_num_threads(threads)
-    target = load_model(model, dtype=dtype, device=device)
+    target = load_model(model, dtype=dtype, device=device, weights=weights)
     draft_model = load_model(draft, dtype=dtype, device=device) if draft is not None else None
     config = ServerConfig(method=method, draft_length=draft_length, adaptive=adaptive,
                           engine_options={"ngram_max": ngram_max, **({"head": head} if head else {})},
