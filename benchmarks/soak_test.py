@@ -35,6 +35,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from load_test import PROMPTS, percentile, rss_mb, start_server  # noqa: E402
 
 
+def cpu_name() -> str:
+    """The CPU model and the flags that decide the kernels (AVX-512 bf16, AMX), from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return " ".join([name] + [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags])
+
+
 def runners_phase(model_name: str, count: int, dtype: str) -> dict:
     from verispec.fast import FastRunner
     from verispec.models import load_model
@@ -161,9 +172,9 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     phases = args.phases.split(",")
-    report: dict = {"command": " ".join(["python", *sys.argv]), "model": args.model, "machine": platform.processor()
-                    or platform.machine(), "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                          time.gmtime())}
+    report: dict = {"command": " ".join(["python", *sys.argv]), "model": args.model, "machine": cpu_name(),
+                    "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if "runners" in phases:
         report["runners"] = runners_phase(args.model, args.runners, args.dtype)
         print(json.dumps(report["runners"], indent=2), flush=True)
