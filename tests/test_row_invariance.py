@@ -68,7 +68,7 @@ def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):
         model = tiny_llama(layers=3, hidden=64).to(dtype)
         ids = torch.randint(0, 32, (40,), generator=torch.Generator().manual_seed(3))
         out, seen = [], []
-        for natural in (True, False):
+        for natural in (False, True):  # the spy last: runners of one model share one module (net)
             runner = FastRunner(model, capacity=128, exact=True, exact_bucket=8, exact_max_rows=8)
             runner.natural_rows = natural
             if natural:
@@ -91,7 +91,7 @@ def test_exact_passes_take_up_to_exact_max_rows_tokens(monkeypatch):
     model = tiny_llama(layers=2, hidden=64).to(torch.bfloat16)
     ids = torch.randint(0, 32, (100,), generator=torch.Generator().manual_seed(4))
     out, seen = [], []
-    for max_rows in (32, 8):
+    for max_rows in (8, 32):  # the spy last: runners of one model share one module (net)
         runner = FastRunner(model, capacity=256, exact=True, exact_max_rows=max_rows)
         if runner.net.row_floor(32, runner.kv_block) is None:  # kernels not row-invariant: nothing to compare
             assert not runner.net.packed

@@ -168,5 +168,8 @@ def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_
     return DEFAULT
 
 
-# set from benchmarks/fast_decode.py's side-by-side figures (results/cpu/quant_*.json)
+# what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
+# (results/cpu/fast_decode_weights_*.json): the int4 and int8 kernels cost time per row (a 16-position
+# forward ~4x a 1-position one, prefill alike), so q4 wins plain decoding of short prompts but loses
+# speculation's wider passes and long prompts to the dense packed weights, which stay the default
 DEFAULT = "bf16"
