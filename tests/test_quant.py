@@ -13,7 +13,7 @@ from conftest import loaded, tiny_llama
 from verispec.api import build_engine
 from verispec.fast import FastRunner, quant
 from verispec.fast.core import projection_names
-from verispec.models.gguf_weights import parse_q4, rope_rows
+from verispec.models.gguf_weights import parse_q4, parse_q4_k, rope_rows
 from verispec.types import SamplingParams
 
 CPU = torch.device("cpu")
@@ -78,6 +78,23 @@ def test_gguf_block_reader_equals_the_gguf_packages_dequantization(kind):
     raw = quantize(w, qt)
     groups = parse_q4(raw, kind, (16, 128))
     assert torch.equal(groups.dense(), torch.from_numpy(dequantize(raw, qt)))
+
+
+def test_q4_k_reader_equals_the_gguf_packages_dequantization():
+    """Q4_K super-blocks (Gemma 3's file) from random bytes: every scale/min bit pattern and nibble, with
+    finite fp16 d and dmin."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(4)
+    n, k = 8, 512
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    for lo in (0, 2):  # d, dmin
+        raw[..., lo:lo + 2] = (rng.random((n, k // 256, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(n, -1)
+    groups = parse_q4_k(raw, (n, k))
+    assert torch.equal(groups.dense(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K)))
+    assert groups.d.shape == (n, k // quant.GROUP)
 
 
 def test_rope_rows_undo_llama_cpps_q_k_permutation():
