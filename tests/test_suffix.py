@@ -362,7 +362,7 @@ def test_cli_refuses_a_bad_option_before_loading_a_model():
     r = CliRunner().invoke(app, ["generate", "x", "--method", "suffix", "--suffix-min-prob", "2", "--model", "/nonexistent"])
     assert r.exit_code != 0
     out = r.output.strip()
-    assert "suffix_min_prob" in out and len(out.splitlines()) == 1
+    assert "--suffix-min-prob" in out and len(out.splitlines()) == 1  # the CLI names the flag (shared schema, label=)
 
 
 # ----------------------------------------------------------------------------------------------------
