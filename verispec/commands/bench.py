@@ -12,9 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from verispec.cli import app, fail, friendly
-
-WEIGHTS_HELP = ("Fast path weights: bf16 (dense, in --dtype), q8 (int8 per channel), q4 (int4 groups of 32: a GGUF's own "
-                "Q4_0/Q4_1 blocks); quantized ones need --dtype bfloat16 on CPU. auto: see README.")
+from verispec.models.registry import WEIGHTS_HELP
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from verispec.cli import app, fail, friendly
-from verispec.commands.bench import WEIGHTS_HELP
+from verispec.models.registry import WEIGHTS_HELP
 
 out = Console(highlight=False)
 

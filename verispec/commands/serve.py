@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from verispec.cli import app, err, fail, friendly
-from verispec.commands.bench import WEIGHTS_HELP
+from verispec.models.registry import WEIGHTS_HELP
 
 
 @app.command()

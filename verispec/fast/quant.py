@@ -3,10 +3,11 @@
 `--weights q8`: every projection and the LM head as int8 with one scale per output channel
 (`torch._weight_int8pack_mm`), requantized from the model's float32 weights. `--weights q4`: 4-bit
 groups of 32 along the input features with a scale and a zero per group
-(`torch._weight_int4pack_mm_for_cpu`), which is the shape of GGUF's Q4_0 / Q4_1 blocks, so a GGUF's own
-blocks map onto it (models/gguf_weights.py reads them); a weight without such blocks (a Q8_0 or Q6_K
-tensor, or a model that is not a GGUF) runs as int8: requantizing an 8- or 6-bit tensor to 4 bits
-would lose more than the file did.
+(`torch._weight_int4pack_mm_for_cpu`), which is the shape of GGUF's Q4_0 / Q4_1 blocks and of Q4_K's
+sub-blocks, so a GGUF's own blocks map onto it (models/gguf_weights.py reads them); a weight without
+such blocks (a Q5_0, Q6_K or Q8_0 tensor) runs as int8: requantizing a 5- to 8-bit tensor to 4 bits
+would lose more than the file did. A model that is not a GGUF is requantized to 4-bit min/max groups
+(the Q4_1 recipe).
 
 The kernels' conventions (checked on torch 2.13 against an identity input): int4 dequantizes
 w = (q - 8) * scale + zero with q in 0..15, and int8 w = q * scale; scales and zeros must have the
@@ -30,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "q8", "q4")
-GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q4_K sub-block length, and an int4 kernel group size
+GROUP = 32  # GGUF's Q4_0 / Q4_1 block and Q4_K sub-block length, and an int4 kernel group size
 
 
 @dataclass

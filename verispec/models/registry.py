@@ -10,6 +10,10 @@ from typing import Callable
 
 from verispec.errors import MissingModelPackage
 
+# the --weights option of the commands that load a model (verispec/fast/quant.py)
+WEIGHTS_HELP = ("Fast path weights: bf16 (dense, in --dtype), q8 (int8 per channel), q4 (int4 groups of 32: a GGUF's own "
+                "Q4_0/Q4_1/Q4_K blocks); quantized ones need --dtype bfloat16 on CPU. auto: dense, measured fastest for speculation.")
+
 
 def cache_dir() -> Path:
     """Where converted models live: $VERISPEC_CACHE, else $XDG_CACHE_HOME/verispec, else ~/.cache/verispec."""
