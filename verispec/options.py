@@ -89,7 +89,7 @@ _BOUNDS = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"), 
            "less_than": ("<", "lt")}
 
 
-def error_line(exc: ValidationError, prefix: str = "", label=None) -> tuple[str, str]:
+def error_line(exc: ValidationError, label=None) -> tuple[str, str]:
     """(dotted field name, one-line message) for the first problem of a pydantic ValidationError;
     label(field) renames the field in the message (the CLI shows its flags)."""
     errors = exc.errors(include_url=False)
@@ -103,8 +103,7 @@ def error_line(exc: ValidationError, prefix: str = "", label=None) -> tuple[str,
         field = SpeculationSettings.model_fields.get(str(first["loc"][0]))
         if field is not None and field.description:
             first = {**first, "msg": f"Value error, wrong type: expected {field.description}, got {first.get('input')!r:.60}"}
-    loc = ".".join(str(p) for i, p in enumerate(first.get("loc", ())) if i == 0 or isinstance(p, int))
-    name = f"{prefix}{loc}" if loc else prefix.rstrip(".")
+    name = ".".join(str(p) for i, p in enumerate(first.get("loc", ())) if i == 0 or isinstance(p, int))
     head, dot, rest = name.partition(".")
     shown_name = label(head) + dot + rest if label is not None and name else name
     msg = str(first.get("msg", "invalid value"))
