@@ -60,6 +60,9 @@ log = logging.getLogger("verispec.server")
 _RESERVED = {"target", "draft", "head", "runner", "compile", "verify_cost"}
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
 @dataclass
 class ServerConfig:
     """Defaults and limits of a server. Limits are what a request may ask for at most."""
@@ -82,10 +85,7 @@ class ServerConfig:
     keep_runners: int = 2                  # idle runners kept per runner configuration (see work.RunnerPool)
     # Host header values answered (any port); "*" = any. Loopback names by default, so a web page cannot
     # reach a keyless local server through DNS rebinding
-    allowed_hosts: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
-
-
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
 
 
 def host_name(header: str) -> str:
@@ -113,7 +113,7 @@ class _Guard:
     """
 
     ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/verispec/race",
-                 "/health", "/metrics", "/verispec/info", "/")
+                 "/health", "/metrics", "/verispec/info", "/openapi.json", "/")
 
     def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
         self.app, self.config, self.metrics = app, config, metrics
