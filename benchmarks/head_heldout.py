@@ -1,0 +1,58 @@
+"""Held-out figures of a trained head as it ships (train/evaluate.py): per task, chain and tree mean
+accepted length, top-1 agreement by draft step, output equal to plain decoding.
+
+Tasks: the Spec-Bench public questions (--bench per task, the bench's seeded choice) and, with --work,
+the held-out records of that training work folder (data.split_heldout; only meaningful for a head that
+was trained in that folder, since another head may have trained on them).
+
+    .venv/bin/python benchmarks/head_heldout.py --kind eagle --bench 4 --json results/cpu/eagle-heldout-shipped.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kind", default="eagle", choices=["eagle", "medusa"])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--head", default=None, help="a head folder (default: the shipped head)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--bench", type=int, default=4, help="Spec-Bench questions per task")
+    ap.add_argument("--work", default=None, help="a training work folder whose held-out records to add")
+    ap.add_argument("--per-source", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from verispec.drafters.eagle import load_eagle_head
+    from verispec.drafters.medusa import load_medusa_heads
+    from verispec.models import load_model
+    from verispec.train.data import read_jsonl, split_heldout
+    from verispec.train.evaluate import eval_sets, evaluate_head
+
+    target = load_model(a.target, dtype=a.dtype)
+    module = (load_eagle_head if a.kind == "eagle" else load_medusa_heads)(target, a.head)
+    heldout = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))[1] if a.work else None
+    sets = eval_sets(target, heldout, a.per_source, a.bench)
+    fig = evaluate_head(target, a.kind, module, sets, max_new_tokens=a.tokens)
+    flags = open("/proc/cpuinfo").read()
+    cpu = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), platform.processor())
+    out = {"command": "python benchmarks/head_heldout.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None),
+           "head": a.head or "shipped", "trained_on": module.config.get("training", {}).get("sequences"), **fig,
+           "cpu": cpu, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags, "threads": torch.get_num_threads()}
+    Path(a.json).write_text(json.dumps(out, indent=1))
+    print(json.dumps(fig["overall"]))
+
+
+if __name__ == "__main__":
+    main()
