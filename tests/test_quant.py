@@ -170,6 +170,32 @@ def test_row_invariance_probe_runs_the_quantized_kernels(monkeypatch):
 
 
 @needs
+def test_row_invariance_probe_runs_each_format_a_shape_has(monkeypatch):
+    """A file may store one projection in 4 bits in some layers and more in others (Gemma's Q4_K_M): the
+    probe must run that shape on both kernels. Planted: int4 rounding otherwise below 3 rows, for the
+    q/k/v shape only, which runs int4 in layer 0 and int8 in layer 1 (the format built last)."""
+    model = tiny_llama(layers=2, hidden=64).to(torch.bfloat16)
+    params = dict(model.named_parameters())
+
+    def source(name):  # layer 0: 4-bit groups; everything else: float32 weights (int8 in q4)
+        w = params[name].detach().float()
+        return quant.requantize_groups(w) if name.startswith("model.layers.0.") else w
+    real = quant.linear
+    qkv = (128, 64)
+
+    def int4_qkv_below_three(x, w, b=None):
+        y = real(x, w, b)
+        planted = isinstance(w, quant.Int4) and (w.sz.shape[1], w.sz.shape[0] * quant.GROUP) == qkv and x.shape[0] < 3
+        return y * (1 + 2 ** -7) if planted else y
+    monkeypatch.setattr(quant, "linear", int4_qkv_below_three)
+    r = FastRunner(model, capacity=64, exact=True, exact_max_rows=8, weights="q4", weight_source=source)
+    net = r.net
+    assert isinstance(net.layers[0]["wqkv"], quant.Int4) and isinstance(net.layers[1]["wqkv"], quant.Int8)
+    assert tuple(net.layers[1]["wqkv"].q.shape) == qkv
+    assert net.row_floor(8, r.kv_block) >= 3
+
+
+@needs
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
 def test_greedy_speculation_equals_plain_decoding_with_quantized_weights(fmt):
     target = loaded(tiny_llama(layers=3, hidden=64).to(torch.bfloat16))

@@ -61,15 +61,19 @@ class FastDecoder:
         self.packed = self.linear is not F.linear
         self._probe_shapes = tuple(tuple(layers[0][k].shape) for k in PROJECTIONS) + (tuple(lm_head.shape),)
         if self.weights == "bf16":
-            self._pack = pack
+            self._probes = [(pack, self._probe_shapes)]  # (how the probe prepares a weight, its shapes)
             layers = [{k: pack(t) if k in PROJECTIONS else t for k, t in lw.items()} for lw in layers]
             lm_head = pack(lm_head)
         else:
-            self._kinds: dict[tuple, str] = {}  # shape -> the format its weights got (the probe runs the same)
+            # shape -> the formats its weights got (layers may differ: a file's mixed tensor types); the
+            # row-invariance probe runs every (shape, format) pair the forward runs
+            self._kinds: dict[tuple, set[str]] = {}
             layers = [{k: self._quantize(t, names[i][k] if names else (), weight_source) if k in PROJECTIONS else t
                        for k, t in lw.items()} for i, lw in enumerate(layers)]
             lm_head = self._quantize(lm_head, (lm_head_name,), weight_source)
-            self._pack = lambda w: quant.prepare(w, self._kinds[tuple(w.shape)], embed.dtype)
+            formats = sorted(set().union(*self._kinds.values()))
+            self._probes = [(functools.partial(quant.prepare, fmt=f, dtype=embed.dtype),
+                             tuple(s for s, ks in self._kinds.items() if f in ks)) for f in formats]
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.windows, self.rope_keys, self.ropes = windows, rope_keys, ropes
         self.embed_scale, self.final_softcap = embed_scale, final_softcap
@@ -95,7 +99,7 @@ class FastDecoder:
         else:
             src, fmt = dense, self.weights
         q = quant.prepare(src, fmt, self.dtype)
-        self._kinds[tuple(dense.shape)] = "q4" if isinstance(q, quant.Int4) else "q8"
+        self._kinds.setdefault(tuple(dense.shape), set()).add("q4" if isinstance(q, quant.Int4) else "q8")
         return q
 
     def streamed_bytes(self) -> int:
@@ -125,11 +129,13 @@ class FastDecoder:
         (row_invariance.py; probed once per setting), or None."""
         a = self.arch
         # the kernels' split of the work may follow the thread count
-        kinds = tuple(sorted(getattr(self, "_kinds", {}).items()))
-        key = (self.linear, self.weights, kinds, self._probe_shapes, a.n_heads, a.n_kv_heads, a.head_dim, self.dtype, self.cache_dtype,
+        probes = tuple((getattr(p, "keywords", {}).get("fmt"), tuple(s)) for p, s in self._probes)
+        key = (self.linear, self.weights, probes, self._probe_shapes, a.n_heads, a.n_kv_heads, a.head_dim, self.dtype, self.cache_dtype,
                str(self.device), max_rows, kv_block, torch.get_num_threads())
         if key not in _ROW_FLOORS:
-            lin = row_invariance.row_floor(self._pack, self.linear, self._probe_shapes, max_rows, self.dtype, self.device)
+            floors = [row_invariance.row_floor(pack, self.linear, shapes, max_rows, self.dtype, self.device)
+                      for pack, shapes in self._probes]
+            lin = None if None in floors else max(floors)
             att = row_invariance.attention_row_floor(a.n_heads, a.n_kv_heads, a.head_dim, max_rows,
                                                      (kv_block, 2 * kv_block), self.cache_dtype, self.device)
             _ROW_FLOORS[key] = None if lin is None or att is None else max(lin, att)
