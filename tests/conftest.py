@@ -67,6 +67,20 @@ def loaded(model, name: str = "tiny", eos: int | None = None):
     return from_model(model, NumberTokenizer(vocab, eos), name=name)
 
 
+@pytest.fixture
+def one_thread(request):
+    """Tiny models and tables: one intra-op thread (a 2-thread barrier costs far more than these ops,
+    and ruinously so on a busy machine); real models keep the session's setting. A test file opts in
+    with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded SmolLM2-135M in float32 (converted once into the cache)."""

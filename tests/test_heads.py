@@ -13,16 +13,7 @@ from verispec.engine import Engine
 from verispec.types import SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """Tiny models: one intra-op thread (a 2-thread barrier costs more than these ops on a busy machine)."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_eagle(target, seed: int = 1, vocab: int | None = None) -> EagleHead:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from conftest import loaded, tiny_llama
@@ -14,14 +13,7 @@ from verispec.tree import DynamicTree, StaticTree, measure_verify_cost
 from verispec.types import SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """One intra-op thread: a 2-thread barrier costs far more than tiny models' ops, and ruinously so on
-    a busy shared machine; it also keeps the float reduction order the same for every pass size."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_build_engine_tree_options():

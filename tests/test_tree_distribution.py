@@ -32,17 +32,7 @@ from verispec.tree_acceptance import tree_speculative_verify
 from verispec.types import Proposal, SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """Tiny models and tables: one intra-op thread (a 2-thread barrier costs far more than these ops,
-    and ruinously so on a busy machine); real models keep the session's setting."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 6
 N = 12_000

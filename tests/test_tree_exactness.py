@@ -17,14 +17,7 @@ from verispec.tree import StaticTree
 from verispec.types import Proposal, SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """One intra-op thread: a 2-thread barrier costs far more than tiny models' ops, and ruinously so on
-    a busy shared machine; it also keeps the float reduction order the same for every pass size."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class OracleTreeDrafter:

@@ -13,17 +13,7 @@ from verispec.tree import (STATIC_TREES, Candidate, DynamicTree, RankAcceptance,
 from verispec.tree_acceptance import greedy_tree_verify
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """Tiny models and tables: one intra-op thread (a 2-thread barrier costs far more than these ops,
-    and ruinously so on a busy machine); real models keep the session's setting."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 #        0
 #      /   \

@@ -16,17 +16,7 @@ from verispec.tree import TreeLayout, path_to
 from verispec.types import SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(request):
-    """Tiny models and tables: one intra-op thread (a 2-thread barrier costs far more than these ops,
-    and ruinously so on a busy machine); real models keep the session's setting."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # 12 nodes, depth up to 7: with 13 context tokens the deepest paths (20 tokens) exceed Gemma's window 8
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6, 8, 9, 10]
