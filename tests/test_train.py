@@ -272,18 +272,30 @@ def test_heldout_split_is_per_source_and_stable():
     assert len(kept & {r["id"] for r in held if r["source"] == "a"}) >= 3  # a larger run keeps most of it
 
 
-def test_training_prompts_mix_sources_and_never_read_the_heldout_slice():
-    from verispec.train.data import default_data_dir, heldout_prompts, training_prompts
+def test_training_prompts_mix_sources_and_never_read_the_heldout_slice(tmp_path):
+    """On a data folder laid out like ../shared/data (made here): the fixed shares, the prefix property,
+    and no prompt (or long-context passage) from the held-out slice."""
+    from verispec.train.data import heldout_prompts, training_prompts
 
-    data = default_data_dir()
-    if not (data / "sharegpt").is_dir():
-        pytest.skip("../shared/data is not beside this checkout")
-    prompts = training_prompts(data, 400)
+    def conv(text):
+        return {"conversations": [{"from": "human", "value": text}]}
+
+    (tmp_path / "sharegpt").mkdir()
+    (tmp_path / "gsm8k").mkdir()
+    sg500 = [f"question {i} " + ("long passage words. " * 40 if i % 3 == 0 else "short") for i in range(300)]
+    sg90 = [f"other {i} " + ("more passage text. " * 50 if i % 2 == 0 else "brief") for i in range(400)]
+    (tmp_path / "sharegpt" / "ShareGPT_V3_filtered_500.json").write_text(json.dumps([conv(t) for t in sg500]))
+    (tmp_path / "sharegpt" / "sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json").write_text(
+        json.dumps([conv(t) for t in sg90]))
+    (tmp_path / "gsm8k" / "train.jsonl").write_text("\n".join(json.dumps({"question": f"gsm {i}?"}) for i in range(500)))
+    prompts = training_prompts(tmp_path, 400)
     counts = {s: sum(p["source"] == s for p in prompts) for s in ("sharegpt", "gsm8k", "longctx")}
     assert abs(counts["gsm8k"] - 120) <= 1 and abs(counts["longctx"] - 60) <= 1 and abs(counts["sharegpt"] - 220) <= 2
-    assert training_prompts(data, 100) == prompts[:100]  # a larger run starts with a smaller run's prompts
-    held = set(heldout_prompts(data))
-    assert not any(p["text"] in held or any(h in p["text"] for h in held if len(h) > 200) for p in prompts)
+    assert all(p["text"].startswith("gsm") for p in prompts if p["source"] == "gsm8k")
+    assert training_prompts(tmp_path, 100) == prompts[:100]  # a larger run starts with a smaller run's prompts
+    held = heldout_prompts(tmp_path)
+    assert held == [t.strip() for t in sg500[-40:]]
+    assert not any(h in p["text"] for p in prompts for h in held)
 
 
 def test_draft_vocabulary_is_rebuilt_when_the_records_change(tmp_path):
