@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -49,6 +48,7 @@ def main() -> None:
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
     from verispec.fast import FastRunner
+    from verispec.bench.harness import environment
     from verispec.models import load_model
     from verispec.tree import DynamicTree, StaticTree
     from verispec.types import SamplingParams
@@ -110,13 +110,10 @@ def main() -> None:
     ms = {k: round(statistics.median(v), 3) for k, v in rounds.items()}
     base = ms["target_forward_1pos_exact"]
     ratios = {k: round(v / base, 3) for k, v in ms.items()}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    flags = open("/proc/cpuinfo").read()
     out = {"command": "python benchmarks/head_cost.py " + " ".join(
                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(a).items() if v is not None),
            "model": a.model, "dtype": a.dtype, "context": a.context, "ms": ms, "ratio_to_target_forward_exact": ratios,
-           "cpu": cpu, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags, "threads": torch.get_num_threads(),
-           "torch": torch.__version__}
+           "environment": environment(target)}
     for k in items:
         print(f"{k:32s} {ms[k]:8.2f} ms  {ratios[k]:6.3f}x target forward (exact)")
     if a.json:

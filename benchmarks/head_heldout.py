@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     from verispec.drafters.eagle import load_eagle_head
     from verispec.drafters.medusa import load_medusa_heads
+    from verispec.bench.harness import environment
     from verispec.models import load_model
     from verispec.train.data import read_jsonl, split_heldout
     from verispec.train.evaluate import eval_sets, evaluate_head
@@ -44,12 +44,10 @@ def main() -> None:
     heldout = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))[1] if a.work else None
     sets = eval_sets(target, heldout, a.per_source, a.bench)
     fig = evaluate_head(target, a.kind, module, sets, max_new_tokens=a.tokens)
-    flags = open("/proc/cpuinfo").read()
-    cpu = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), platform.processor())
     out = {"command": "python benchmarks/head_heldout.py " + " ".join(
                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None),
            "head": a.head or "shipped", "trained_on": module.config.get("training", {}).get("sequences"), **fig,
-           "cpu": cpu, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags, "threads": torch.get_num_threads()}
+           "environment": environment(target)}
     Path(a.json).write_text(json.dumps(out, indent=1))
     print(json.dumps(fig["overall"]))
 

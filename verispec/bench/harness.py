@@ -45,6 +45,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_flags() -> list[str]:
+    """The instruction sets the CPU figures depend on (bf16 GEMMs, AMX, AVX-512), as /proc/cpuinfo names them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    words = set(text.split())
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in words]
+
+
 def _git_commit() -> str | None:
     try:
         root = Path(__file__).resolve().parents[2]
@@ -69,6 +79,7 @@ def environment(target=None) -> dict:
         "git_commit": _git_commit(),
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
