@@ -335,3 +335,17 @@ def test_batched_self_distillation_equals_one_at_a_time(tiny, tmp_path, monkeypa
         top = logits.topk(2).values
         assert float(top[0] - top[1]) < 1e-4, (i, k, a, b)
     assert same >= 8
+
+
+def test_self_distillation_time_budget_resumes(tiny, tmp_path, monkeypatch):
+    """--gen-minutes 0 starts no batch (training uses the answers so far); a later run without a budget
+    generates only the missing prompts."""
+    from verispec.train.data import generate_answers
+
+    monkeypatch.setattr(tiny, "encode", lambda prompt=None, chat=None: [int(t) for t in chat.split()])
+    prompts = [{"id": str(i), "source": "test", "text": f"{i + 1} {i + 2} 3"} for i in range(6)]
+    kw = dict(max_new_tokens=4, log=lambda m: None, progress=False, batch_size=2)
+    out = tmp_path / "a.jsonl"
+    assert generate_answers(tiny, prompts[:2], out, **kw) and len(generate_answers(tiny, prompts, out, max_seconds=0, **kw)) == 2
+    done = generate_answers(tiny, prompts, out, **kw)
+    assert sorted(r["id"] for r in done) == [str(i) for i in range(6)]

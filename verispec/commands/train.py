@@ -35,6 +35,7 @@ def _command(kind: str):
         max_prompt_tokens: int = typer.Option(640, "--max-prompt-tokens", help="Skip longer prompts."),
         max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Answer cap for self-distillation (answers end at EOS below it)."),
         gen_batch: int = typer.Option(32, "--gen-batch", help="Prompts per batched generate call."),
+        gen_minutes: Optional[float] = typer.Option(None, "--gen-minutes", help="Self-distillation time budget for this run (0 = train on the answers so far; a later run resumes)."),
         steps: int = typer.Option(300, "--steps", help="Optimizer steps."),
         batch_size: int = typer.Option(4, "--batch-size"),
         seq_len: int = typer.Option(128, "--seq-len", help="Answer anchors per training window (every earlier position is a key)."),
@@ -57,7 +58,7 @@ def _command(kind: str):
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
     ):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
-             max_new_tokens=max_new_tokens, gen_batch=gen_batch, steps=steps, batch_size=batch_size, seq_len=seq_len,
+             max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
              lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
              eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes,

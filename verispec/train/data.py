@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -138,9 +139,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @torch.inference_mode()
 def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tokens: int = 384,
-                     max_new_tokens: int = 192, batch_size: int = 16, log=print, progress: bool = True) -> list[dict]:
+                     max_new_tokens: int = 192, batch_size: int = 16, log=print, progress: bool = True,
+                     max_seconds: float | None = None) -> list[dict]:
     """Greedy answers of `target` (a LoadedModel) to `prompts`, appended to out_path as jsonl records
-    {"id", "source", "prompt_ids", "answer_ids"}; prompts already in the file are skipped."""
+    {"id", "source", "prompt_ids", "answer_ids"}; prompts already in the file are skipped. With
+    `max_seconds` no new batch starts after that much wall time (0: use the answers already in the file),
+    so a long self-distillation spreads over several runs."""
     done = {r["id"] for r in read_jsonl(out_path)}
     todo = []
     for p in prompts:
@@ -164,7 +168,11 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
         from tqdm import tqdm
 
         it = tqdm(batches, desc="self-distillation", unit="batch")
+    t0 = time.perf_counter()
     for batch in it:
+        if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+            log(f"self-distillation: time budget reached, {len(batches)} batches not all done; a later run resumes")
+            break
         width = max(len(ids) for _, ids in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)

@@ -32,6 +32,7 @@ class TrainConfig:
     max_prompt_tokens: int = 640
     max_new_tokens: int = 512        # answers run to their natural end (EOS) below this cap
     gen_batch: int = 32
+    gen_minutes: float | None = None # self-distillation time budget for this run (0: train on the answers so far)
     steps: int = 300
     batch_size: int = 4
     seq_len: int = 128
@@ -69,6 +70,8 @@ def _check(cfg: TrainConfig) -> None:
         raise InvalidParameter("seq-len must exceed ttt-steps + 1")
     if not cfg.lr > 0:
         raise InvalidParameter(f"lr must be > 0, got {cfg.lr}")
+    if cfg.gen_minutes is not None and cfg.gen_minutes < 0:
+        raise InvalidParameter(f"gen-minutes must be >= 0, got {cfg.gen_minutes}")
     if cfg.max_positions is not None and cfg.max_positions < 1:
         raise InvalidParameter(f"max-positions must be >= 1, got {cfg.max_positions}")
     if not 0 < cfg.heldout_share < 1:
@@ -101,7 +104,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
     t0 = time.perf_counter()
     prompts = training_prompts(data_dir, cfg.prompts, seed=cfg.seed)
     records = generate_answers(target, prompts, work / "answers.jsonl", max_prompt_tokens=cfg.max_prompt_tokens,
-                               max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, log=log, progress=cfg.progress)
+                               max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, log=log, progress=cfg.progress,
+                               max_seconds=cfg.gen_minutes * 60 if cfg.gen_minutes is not None else None)
     keep = {p["id"] for p in prompts}
     records, heldout = split_heldout([r for r in records if r["id"] in keep], cfg.heldout_share)
     timings["generate_s"] = round(time.perf_counter() - t0, 1)
