@@ -85,11 +85,13 @@ def test_fast_backend_features_match_transformers(tiny, dataset, tmp_path):
         extract_features(tiny, records[:5], tmp_path, layers, progress=False, backend="jax")
 
 
-def test_eagle_loss_falls(tiny, dataset, tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_eagle_loss_falls(tiny, dataset, tmp_path, precision):
     records, data, _ = dataset
     head = _eagle(tiny, records)
     hist = train_eagle(head, data, V, tmp_path / "w", steps=40, batch_size=4, seq_len=32, lr=3e-3, ttt_steps=3,
-                       log=lambda m: None, progress=False)
+                       log=lambda m: None, progress=False, autocast=precision)
+    assert all(p.dtype == torch.float32 for p in head.parameters())  # autocast keeps float32 master weights
     first, last = sum(h["loss"] for h in hist[:5]) / 5, sum(h["loss"] for h in hist[-5:]) / 5
     assert last < 0.85 * first, (first, last)
     assert len(hist[-1]["top1"]) == 3
@@ -255,6 +257,22 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "lr must be > 0" in r.output
     r = CliRunner().invoke(app, ["train", "eagle", "--feature-backend", "jax"])
     assert r.exit_code == 2 and "unknown feature backend 'jax'" in r.output
+    r = CliRunner().invoke(app, ["train", "eagle", "--train-precision", "fp8"])
+    assert r.exit_code == 2 and "unknown train precision 'fp8'" in r.output
+    r = CliRunner().invoke(app, ["train", "eagle", "--gen-minutes", "-1"])
+    assert r.exit_code == 2 and "gen-minutes must be >= 0" in r.output
+
+
+def test_learning_rate_anneals_by_the_step_count_or_the_time_budget(tmp_path):
+    from verispec.train.loops import Trainer
+
+    tr = Trainer.__new__(Trainer)
+    tr.lr, tr.steps = 1.0, 100
+    assert tr.lr_at(0) == pytest.approx(0.2) and tr.lr_at(4) == pytest.approx(1.0)  # warm-up: 5 steps
+    assert tr.lr_at(52) == pytest.approx(0.5, abs=0.02) and tr.lr_at(99) < 1e-3
+    assert tr.lr_at(10, time_share=0.5) == pytest.approx(0.5, abs=0.01)  # half the time budget used
+    assert tr.lr_at(10, time_share=1.0) == pytest.approx(0.0, abs=1e-9)
+    assert tr.lr_at(90, time_share=0.1) == pytest.approx(tr.lr_at(90))  # the steps run out first
 
 
 def test_heldout_split_is_per_source_and_stable():

@@ -47,7 +47,8 @@ def _command(kind: str):
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
         feature_backend: str = typer.Option("hf", "--feature-backend", help="hf (transformers) or fast (verispec's forward) for the feature pass."),
-        max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this much wall time."),
+        max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this much wall time (the learning rate anneals by then)."),
+        train_precision: str = typer.Option("auto", "--train-precision", help="auto (bf16 autocast where the CPU has bf16 units), bfloat16 or float32."),
         heldout_share: float = typer.Option(0.05, "--heldout-share", help="Share of every source's answers held out, never trained on."),
         eval_prompts: int = typer.Option(4, "--eval-prompts", help="Held-out prompts per source in the held-out figures."),
         eval_bench: int = typer.Option(2, "--eval-bench", help="Spec-Bench questions per task in the held-out figures (0 = none)."),
@@ -61,7 +62,7 @@ def _command(kind: str):
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
              lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
-             eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes,
+             eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes, train_precision=train_precision,
              feature_backend=feature_backend)
 
     return cmd

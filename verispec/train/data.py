@@ -169,9 +169,10 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
 
         it = tqdm(batches, desc="self-distillation", unit="batch")
     t0 = time.perf_counter()
-    for batch in it:
+    for n, batch in enumerate(it):
         if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
-            log(f"self-distillation: time budget reached, {len(batches)} batches not all done; a later run resumes")
+            log(f"self-distillation: time budget reached with {len(batches) - n} of {len(batches)} batches left; "
+                "a later run resumes them")
             break
         width = max(len(ids) for _, ids in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)

@@ -45,7 +45,8 @@ class TrainConfig:
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
                                      # were 2-5x slower than float32 in transformers on this CPU)
     feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
-    max_minutes: float | None = None # stop training after this much wall time (the steps done are recorded)
+    max_minutes: float | None = None # stop training after this much wall time; the learning rate anneals by then
+    train_precision: str = "auto"    # the training forward's autocast: auto = bf16 where the CPU has bf16 units
     max_positions: int | None = None # train on the first feature shards up to this many positions (a
                                      # learning curve's point); its training state is kept apart
     heldout_share: float = 0.05      # of every source's records, never trained on (data.split_heldout)
@@ -72,6 +73,8 @@ def _check(cfg: TrainConfig) -> None:
         raise InvalidParameter(f"lr must be > 0, got {cfg.lr}")
     if cfg.gen_minutes is not None and cfg.gen_minutes < 0:
         raise InvalidParameter(f"gen-minutes must be >= 0, got {cfg.gen_minutes}")
+    if cfg.train_precision not in ("auto", "bfloat16", "float32"):
+        raise InvalidParameter(f"unknown train precision '{cfg.train_precision}'; use auto, bfloat16 or float32")
     if cfg.max_positions is not None and cfg.max_positions < 1:
         raise InvalidParameter(f"max-positions must be >= 1, got {cfg.max_positions}")
     if not 0 < cfg.heldout_share < 1:
@@ -144,7 +147,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     t0 = time.perf_counter()
     state = cfg.kind if not cfg.max_positions else f"{cfg.kind}-{cfg.max_positions}"
     common = dict(max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed,
-                  device=cfg.device, log=log, progress=cfg.progress)
+                  device=cfg.device, log=log, progress=cfg.progress, autocast=cfg.train_precision)
     if cfg.kind == "eagle":
         history = train_eagle(module, data, target.vocab_size, work / state, ttt_steps=cfg.ttt_steps, **common)
     else:
