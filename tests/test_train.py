@@ -367,3 +367,11 @@ def test_self_distillation_time_budget_resumes(tiny, tmp_path, monkeypatch):
     assert generate_answers(tiny, prompts[:2], out, **kw) and len(generate_answers(tiny, prompts, out, max_seconds=0, **kw)) == 2
     done = generate_answers(tiny, prompts, out, **kw)
     assert sorted(r["id"] for r in done) == [str(i) for i in range(6)]
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="a glibc allocator setting")
+def test_training_returns_freed_memory_to_the_system():
+    """glibc takes the fixed mmap/trim thresholds (the training process grew until killed without them)."""
+    from verispec.train.pipeline import return_freed_memory
+
+    assert return_freed_memory()

@@ -94,6 +94,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     from verispec.train.vocab import coverage, draft_vocab_for
 
     _check(cfg)
+    return_freed_memory()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -185,6 +186,25 @@ def run(cfg: TrainConfig, log=print) -> dict:
     save_head(out, config, state)
     log(f"saved the {cfg.kind} head to {out}")
     return config
+
+
+def return_freed_memory() -> bool:
+    """Make glibc hand large freed blocks back to the system (mmap above 128 KiB, trim above 128 KiB).
+    Training windows change shape every step; with glibc's default adaptive thresholds the freed blocks
+    of one shape were kept and fragmented, and a training process grew until the kernel killed it.
+    Returns whether the allocator took the setting (False off glibc)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_threshold, 128 * 1024)) and bool(libc.mallopt(m_trim_threshold, 128 * 1024))
+    except (OSError, AttributeError):
+        return False
 
 
 def shards_within(paths: list[Path], positions: int) -> int:
