@@ -162,3 +162,28 @@ def test_a_draft_beyond_its_context_drafts_nothing():
     drafter.begin(PROMPT, SamplingParams(), None)
     assert drafter.propose(PROMPT, 2) is not None  # "abcab": 4 draft tokens + 2 fit
     assert drafter.propose(PROMPT + [2, 2], 2) is None  # "abcabcc": 5 + 2 do not
+
+
+def test_server_request_uses_a_draft_model_with_another_vocabulary():
+    import openai
+
+    from server_helpers import WORDS, ServerThread, tiny_target, word_tokenizer
+    from verispec.api import generate
+    from verispec.models.loader import from_model
+    from verispec.server import ServerConfig, create_app
+
+    target = tiny_target()
+    words = word_tokenizer(list(reversed(WORDS)) + ["zebra"])  # the same words under other ids, one more
+    draft = from_model(tiny_llama(vocab=len(words), seed=3), words, name="tiny-words-reversed")
+    chat = [{"role": "user", "content": "the cat sat on the mat and the dog"}]
+    config = ServerConfig(method="ar", default_max_tokens=12, max_tokens=32)
+    with ServerThread(create_app(target, config, draft=draft)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="tiny-words", messages=chat, max_tokens=12, temperature=0,
+                                           extra_body={"verispec": {"method": "draft", "draft_length": 3}})
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-words", messages=chat, max_tokens=4,
+                                           extra_body={"verispec": {"method": "draft", "tree": "dynamic"}})
+    assert r.choices[0].message.content == generate(target, chat=chat, max_new_tokens=12).text
+    assert r.model_extra["verispec"]["method"] == "draft" and r.model_extra["verispec"]["drafted"] > 0
+    assert "cannot make trees" in e.value.message and "\n" not in e.value.message
