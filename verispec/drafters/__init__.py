@@ -48,6 +48,12 @@ def _suffix(target, suffix_cache="global", suffix_alpha: float = 1.0, suffix_min
                                depth=suffix_depth)
 
 
+def _lookahead(target, lookahead_window: int = 4, lookahead_ngram: int = 3, lookahead_candidates: int = 4, **_):
+    from verispec.drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(window=lookahead_window, ngram=lookahead_ngram, candidates=lookahead_candidates)
+
+
 def _eagle(target, head=None, **_):
     from verispec.drafters.eagle import EagleDrafter
 
@@ -65,6 +71,7 @@ METHODS: dict[str, Callable] = {"ar": _ar, "ngram": _ngram, "draft": _draft}
 METHODS["eagle"] = _eagle
 METHODS["medusa"] = _medusa
 METHODS["suffix"] = _suffix
+METHODS["lookahead"] = _lookahead
 
 
 def make_drafter(method: str, target, **options) -> Drafter | None:
