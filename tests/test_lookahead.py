@@ -134,3 +134,25 @@ def test_sampling_without_the_residual_update_fails(monkeypatch):
     samples, _ = draw(engine, N_SAMPLES, **kw)
     assert right is not tree_acceptance._residual
     assert fails(samples, target.exact(PROMPT, SamplingParams(**kw)))
+
+
+def test_server_request_options():
+    import openai
+
+    from server_helpers import ServerThread, tiny_target
+    from verispec.api import generate
+    from verispec.server import ServerConfig, create_app
+
+    target = tiny_target()
+    chat = [{"role": "user", "content": "the cat sat on the mat and the cat sat on the"}]
+    with ServerThread(create_app(target, ServerConfig(method="ar", default_max_tokens=16, max_tokens=32))) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="tiny-words", messages=chat, max_tokens=16, temperature=0,
+                                           extra_body={"verispec": {"method": "lookahead", "lookahead_window": 3,
+                                                                    "lookahead_ngram": 2, "lookahead_candidates": 2}})
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-words", messages=chat, max_tokens=4,
+                                           extra_body={"verispec": {"method": "lookahead", "lookahead_ngram": 1}})
+    assert r.choices[0].message.content == generate(target, chat=chat, max_new_tokens=16).text
+    assert r.model_extra["verispec"]["method"] == "lookahead"
+    assert e.value.param == "verispec.lookahead_ngram" and "\n" not in e.value.message
