@@ -22,7 +22,7 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
                  verify_cost: dict[int, float] | None = None, backend: str = "auto", exact: bool | None = None,
                  compile: bool = False, runner=None, head=None, suffix_cache="global", suffix_alpha: float = 1.0,
                  suffix_min_prob: float = 0.1, suffix_depth: int = 24, weights: str | None = None,
-                 lookahead_window: int = 4, lookahead_ngram: int = 3, lookahead_candidates: int = 4) -> Engine:
+                 lookahead_window: int = 2, lookahead_ngram: int = 3, lookahead_candidates: int = 2) -> Engine:
     """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS.
 
     Trees (methods ngram and draft): tree = "dynamic", "static:<name>" (names in tree.STATIC_TREES),

@@ -48,7 +48,7 @@ def _suffix(target, suffix_cache="global", suffix_alpha: float = 1.0, suffix_min
                                depth=suffix_depth)
 
 
-def _lookahead(target, lookahead_window: int = 4, lookahead_ngram: int = 3, lookahead_candidates: int = 4, **_):
+def _lookahead(target, lookahead_window: int = 2, lookahead_ngram: int = 3, lookahead_candidates: int = 2, **_):
     from verispec.drafters.lookahead import LookaheadDrafter
 
     return LookaheadDrafter(window=lookahead_window, ngram=lookahead_ngram, candidates=lookahead_candidates)
