@@ -24,7 +24,7 @@ class NumberTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return {str(i): i for i in range(self.vocab_size)}
 
-    def __call__(self, text: str):
+    def __call__(self, text: str, add_special_tokens: bool = True):
         return {"input_ids": [int(t) % self.vocab_size for t in text.split()]}
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

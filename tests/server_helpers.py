@@ -16,12 +16,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} 
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def word_tokenizer():
-    """A transformers fast tokenizer over WORDS (unknown words -> [UNK]), decoding with spaces."""
+def word_tokenizer(words=WORDS):
+    """A transformers fast tokenizer over `words` (unknown words -> [UNK]), decoding with spaces."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces, tidies spaces before punctuation

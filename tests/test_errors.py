@@ -40,10 +40,10 @@ def test_missing_model_package(monkeypatch):
         load_model("smollm2-135m")
 
 
-def test_draft_with_another_vocabulary(tiny):
+def test_draft_with_another_vocabulary_drafts_chains_only(tiny):
     other = loaded(tiny_llama(vocab=40))
-    with pytest.raises(errors.VocabularyMismatch, match="vocabulary"):
-        build_engine(tiny, "draft", draft=other)
+    with pytest.raises(errors.InvalidParameter, match="cannot make trees"):
+        build_engine(tiny, "draft", draft=other, tree="dynamic")
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.01), dict(top_k=-3)])
@@ -101,10 +101,10 @@ def test_cli_invalid_utf8_prompt_file(tmp_path):
 
 
 @pytest.mark.real_model
-def test_cli_prompt_too_long_and_other_vocabulary(tmp_path):
+def test_cli_prompt_too_long_and_tree_with_another_vocabulary(tmp_path):
     f = tmp_path / "long.txt"
     f.write_text("word " * 9000, encoding="utf-8")
     r = run_cli("generate", "--prompt-file", str(f), "-n", "4")
     assert r.returncode == 2 and "shorten it" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("generate", "--chat", "hi", "--method", "draft", "--draft", "gemma3-270m", "-n", "4")
-    assert r.returncode == 2 and "another vocabulary" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("generate", "--chat", "hi", "--method", "draft", "--draft", "gemma3-270m", "--tree", "dynamic", "-n", "4")
+    assert r.returncode == 2 and "cannot make trees" in r.stderr and "Traceback" not in r.stderr

@@ -13,6 +13,7 @@ from verispec.types import SamplingParams
 TREE_OPTIONS = ("tree", "tree_budget", "tree_topk", "tree_depth", "verify_cost")
 BACKEND_OPTIONS = ("backend", "exact", "compile", "weights")
 SUFFIX_OPTIONS = ("suffix_cache", "suffix_alpha", "suffix_min_prob", "suffix_depth")
+LOOKAHEAD_OPTIONS = ("lookahead_window", "lookahead_ngram", "lookahead_candidates")
 
 
 def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, adaptive: bool = False,
@@ -20,7 +21,8 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
                  tree_budget: int | str | None = None, tree_topk: int | None = None, tree_depth: int | None = None,
                  verify_cost: dict[int, float] | None = None, backend: str = "auto", exact: bool | None = None,
                  compile: bool = False, runner=None, head=None, suffix_cache="global", suffix_alpha: float = 1.0,
-                 suffix_min_prob: float = 0.1, suffix_depth: int = 24, weights: str | None = None) -> Engine:
+                 suffix_min_prob: float = 0.1, suffix_depth: int = 24, weights: str | None = None,
+                 lookahead_window: int = 2, lookahead_ngram: int = 3, lookahead_candidates: int = 2) -> Engine:
     """An Engine for a LoadedModel (or a model name) and a method from verispec.drafters.METHODS.
 
     Trees (methods ngram and draft): tree = "dynamic", "static:<name>" (names in tree.STATIC_TREES),
@@ -40,6 +42,8 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     cache, shared by every engine in the process), "private" (this engine's own), "off", or a SuffixCache;
     suffix_alpha (at most alpha * match length tokens speculated), suffix_min_prob (smallest path score
     proposed), suffix_depth (deepest indexed substring).
+    lookahead_* (method lookahead, verispec/drafters/lookahead.py): lookahead_window W (Jacobi window
+    width), lookahead_ngram N (n-gram size), lookahead_candidates G (n-grams verified per step).
     """
     from verispec.models import load_model
 
@@ -48,7 +52,8 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
                       ngram_max=ngram_max, ngram_min=ngram_min, tree_budget=tree_budget, tree_topk=tree_topk,
                       tree_depth=tree_depth, backend=backend, exact=exact,
                       suffix_cache=suffix_cache if isinstance(suffix_cache, str) else None, suffix_alpha=suffix_alpha,
-                      suffix_min_prob=suffix_min_prob, suffix_depth=suffix_depth,
+                      suffix_min_prob=suffix_min_prob, suffix_depth=suffix_depth, lookahead_window=lookahead_window,
+                      lookahead_ngram=lookahead_ngram, lookahead_candidates=lookahead_candidates,
                       tree=[list(p) if isinstance(p, tuple) else p for p in tree] if isinstance(tree, list) else
                       tree if isinstance(tree, str) else None)
     if isinstance(target, str):
@@ -56,7 +61,8 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     shape = parse_tree(tree, budget=tree_budget, topk=tree_topk, depth=tree_depth)
     drafter = make_drafter(method, target, draft=draft, ngram_max=ngram_max, ngram_min=ngram_min, backend=backend,
                            suffix_cache=suffix_cache, suffix_alpha=suffix_alpha, suffix_min_prob=suffix_min_prob,
-                           suffix_depth=suffix_depth, **({"head": head} if head is not None else {}))
+                           suffix_depth=suffix_depth, lookahead_window=lookahead_window, lookahead_ngram=lookahead_ngram,
+                           lookahead_candidates=lookahead_candidates, **({"head": head} if head is not None else {}))
     return Engine.for_model(target, drafter, draft_length=draft_length, adaptive=adaptive,
                             max_draft_length=max_draft_length, method=method, tree=shape, verify_cost=verify_cost,
                             backend=backend, runner_options={"exact": exact, "compile": compile, "weights": weights},
@@ -78,7 +84,7 @@ def stream(target, prompt: str | None = None, *, chat=None, method: str = "ar", 
     if isinstance(target, str):
         target = load_model(target)
     params = _params(temperature, top_k, top_p, seed, max_new_tokens, stop)
-    unknown = set(tree_options) - set(TREE_OPTIONS) - set(BACKEND_OPTIONS) - set(SUFFIX_OPTIONS)
+    unknown = set(tree_options) - set(TREE_OPTIONS) - set(BACKEND_OPTIONS) - set(SUFFIX_OPTIONS) - set(LOOKAHEAD_OPTIONS)
     if unknown:
         raise TypeError(f"stream() got unexpected keyword arguments {sorted(unknown)}")
     engine = build_engine(target, method, draft, draft_length, adaptive, ngram_max, ngram_min, **tree_options)
@@ -89,7 +95,8 @@ def stream(target, prompt: str | None = None, *, chat=None, method: str = "ar", 
 def generate(target, prompt: str | None = None, **kwargs) -> Generation:
     """Generate from `prompt` (raw text) or `chat=` (a user message or a list of messages).
 
-    Methods: "ar" (plain decoding), "ngram" (prompt lookup), "draft" (draft model, draft=...).
+    Methods: "ar" (plain decoding), "ngram" (prompt lookup), "draft" (draft model, draft=...; another
+    vocabulary than the target's works too), "suffix", "lookahead", "eagle", "medusa".
     Sampling: temperature (0 = greedy), top_k, top_p, seed, max_new_tokens, stop.
     Trees: tree, tree_budget, tree_topk, tree_depth, verify_cost (see build_engine).
     """
@@ -97,7 +104,7 @@ def generate(target, prompt: str | None = None, **kwargs) -> Generation:
 
     if isinstance(target, str):
         target = load_model(target)
-    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min", "head") + TREE_OPTIONS + BACKEND_OPTIONS + SUFFIX_OPTIONS}
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min", "head") + TREE_OPTIONS + BACKEND_OPTIONS + SUFFIX_OPTIONS + LOOKAHEAD_OPTIONS}
     chat = kwargs.pop("chat", None)
     params = _params(**kwargs)
     engine = build_engine(target, **opts)

@@ -10,13 +10,15 @@
 
 With a tree shape (tree.py) the drafter proposes a tree (Proposal.parents), the target scores all its
 nodes in one forward under a tree attention mask (runner.forward_tree), tree_acceptance.py walks it, and
-the accepted path's KV entries are compacted into contiguous slots (runner.compact).
+the accepted path's KV entries are compacted into contiguous slots (runner.compact). A proposal may
+carry auxiliary nodes (lookahead decoding's window): they join the same forward and mask, are never
+accepted, and their logits go back to the drafter in StepResult.aux_logits.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -241,17 +243,25 @@ class Engine:
                 proposal = self.drafter.propose_tree(context, self.tree_shape(room - 1))
             else:
                 proposal = self.drafter.propose(context, k)
-            if proposal is not None and len(proposal) == 0:
+            aux = proposal.aux_tokens.tolist() if proposal is not None and proposal.aux_tokens is not None else []
+            if proposal is not None and len(proposal) == 0 and not aux:
                 proposal = None
             t1 = time.perf_counter()
             draft = proposal.tokens.tolist() if proposal is not None else []
             base = self.runner.length
-            if proposal is not None and proposal.parents is not None:
+            if proposal is not None and (proposal.parents is not None or aux):
                 layout = TreeLayout.for_proposal(proposal.parents, len(proposal))
                 if int(layout.depths.max()) > room - 1:
                     raise InvalidParameter(f"the drafter proposed a tree deeper than the {room - 1} tokens asked for")
-                logits = self.runner.forward_tree([context[-1]] + draft, layout.mask, layout.depths)
-                result = self.verify_tree(proposal, layout, logits, params, generator)
+                # auxiliary nodes ride in the same forward (after the drafted ones, so their rows come last)
+                # and are dropped from the cache with the rejected nodes
+                full = layout if not aux else TreeLayout.for_proposal(
+                    (proposal.parents if proposal.parents is not None else list(range(-1, len(draft) - 1)))
+                    + list(proposal.aux_parents), len(draft) + len(aux))
+                logits = self.runner.forward_tree([context[-1]] + draft + aux, full.mask, full.depths)
+                result = self.verify_tree(proposal, layout, logits[: len(draft) + 1], params, generator)
+                if aux:
+                    result = replace(result, aux_logits=logits[len(draft) + 1:])
                 self.runner.compact(base, [0] + [i + 1 for i in result.accepted_nodes])
                 stats.observe_tree(result, layout)
                 for offered, rank in layout.walk_ranks(result.accepted_nodes):

@@ -21,10 +21,6 @@ class MissingModelPackage(VerispecError):
     """An embedded model's PyPI package is not installed."""
 
 
-class VocabularyMismatch(VerispecError):
-    """A draft model does not share the target's vocabulary."""
-
-
 class UnsupportedModel(VerispecError):
     """The model cannot do what was asked (for example take a custom tree attention mask)."""
 

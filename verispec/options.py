@@ -64,6 +64,11 @@ class SpeculationSettings(BaseModel):
     suffix_alpha: float | None = Field(None, gt=0, le=64, description="suffix: at most alpha x match length tokens drafted")
     suffix_min_prob: float | None = Field(None, ge=0, le=1, description="suffix: smallest path score drafted")
     suffix_depth: int | None = Field(None, ge=2, le=64, description="suffix: longest indexed substring")
+    # method lookahead (verispec/drafters/lookahead.py); one step verifies 1 + W x (N - 1) + G x (N - 1) rows at most
+    lookahead_window: int | None = Field(None, ge=1, le=16, description="lookahead: window W, tokens per level")
+    lookahead_ngram: int | None = Field(None, ge=2, le=8, description="lookahead: n-gram size N (N - 1 levels)")
+    lookahead_candidates: int | None = Field(None, ge=1, le=16,
+                                             description="lookahead: n-grams verified per step G")
 
     @field_validator("method")
     @classmethod

@@ -66,11 +66,18 @@ class Proposal:
     draft_probs: FloatTensor [n, V] the draft distribution each token was drawn from (after the same
                  sampling transform as the target), or None: the tokens count as point masses
     parents:     list[int] | None   tree parent of each node (-1 = the pending root token); None = chain
+    aux_tokens:  LongTensor [m] | None  auxiliary nodes: run in the same forward under the same tree mask,
+                 never accepted; the target's logits there come back in StepResult.aux_logits (lookahead
+                 decoding's Jacobi window, drafters/lookahead.py)
+    aux_parents: list[int] | None   their parents over all nodes: -1 = root, 0..n-1 = drafted node,
+                 n..n+m-1 = an earlier auxiliary node (topological order)
     """
 
     tokens: "torch.Tensor"  # noqa: F821
     draft_probs: "torch.Tensor | None" = None
     parents: list[int] | None = None
+    aux_tokens: "torch.Tensor | None" = None
+    aux_parents: list[int] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -90,6 +97,7 @@ class StepResult:
     accepted_nodes: proposal indices of the accepted nodes (chain: 0..num_accepted-1)
     bonus:        whether the last token is a bonus (the walk ended at a leaf, no rejection) rather than
                   recovered; None = decide from the counts (a chain)
+    aux_logits:   the target's logits [m, V] at the proposal's auxiliary nodes (None: it had none)
     """
 
     tokens: list[int]
@@ -97,6 +105,7 @@ class StepResult:
     num_drafted: int
     accepted_nodes: list[int] = field(default_factory=list)
     bonus: bool | None = None
+    aux_logits: "torch.Tensor | None" = None
 
     @property
     def last_kind(self) -> TokenKind:

@@ -31,8 +31,8 @@ def generate(
     chat: Optional[str] = typer.Option(None, "--chat", "-c", help="A user chat message, wrapped in the model's chat template."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt (UTF-8) from a file."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
-    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model), eagle, medusa, suffix (suffix decoding)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft."),
+    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model, any vocabulary), eagle, medusa, suffix (suffix decoding), lookahead (lookahead decoding)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft (another tokenizer than the target's works: its text is re-tokenized)."),
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Tokens drafted per step."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length: longer after a full accept, shorter after a rejection."),
     ngram_max: int = typer.Option(3, "--ngram-max", help="Longest suffix the n-gram drafter matches."),
@@ -40,6 +40,9 @@ def generate(
     suffix_alpha: Optional[float] = typer.Option(None, "--suffix-alpha", help="Method suffix: at most alpha x match length tokens drafted (default 1.0)."),
     suffix_min_prob: Optional[float] = typer.Option(None, "--suffix-min-prob", help="Method suffix: smallest path score drafted (default 0.1)."),
     suffix_depth: Optional[int] = typer.Option(None, "--suffix-depth", help="Method suffix: longest indexed substring (default 24)."),
+    lookahead_window: Optional[int] = typer.Option(None, "--lookahead-window", help="Method lookahead: Jacobi window W, tokens per level (default 2)."),
+    lookahead_ngram: Optional[int] = typer.Option(None, "--lookahead-ngram", help="Method lookahead: n-gram size N (default 3)."),
+    lookahead_candidates: Optional[int] = typer.Option(None, "--lookahead-candidates", help="Method lookahead: n-grams verified per step G (default 2)."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     top_p: float = typer.Option(1.0, "--top-p", help="1 = off."),
@@ -79,7 +82,9 @@ def generate(
 
     tree_opts = {"tree": tree, "tree_budget": tree_budget, "tree_topk": tree_topk, "tree_depth": tree_depth} if tree else {}
     suffix_opts = {k: v for k, v in {"suffix_cache": suffix_cache, "suffix_alpha": suffix_alpha,
-                                     "suffix_min_prob": suffix_min_prob, "suffix_depth": suffix_depth}.items() if v is not None}
+                                     "suffix_min_prob": suffix_min_prob, "suffix_depth": suffix_depth,
+                                     "lookahead_window": lookahead_window, "lookahead_ngram": lookahead_ngram,
+                                     "lookahead_candidates": lookahead_candidates}.items() if v is not None}
     # the schema the API and the server check with (verispec.options), before the model loads
     check_speculation(label=lambda field: "--" + field.replace("_", "-"), method=method, draft_length=draft_length,
                       adaptive=adaptive, ngram_max=ngram_max, backend=backend, exact=exact, **tree_opts, **suffix_opts)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 from verispec.drafters.base import DraftLengthSchedule, Drafter, TreeDrafter
-from verispec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
+from verispec.drafters.cross_vocab import CrossVocabularyDrafter, TextCodec
+from verispec.drafters.draft_model import DraftModelDrafter, same_vocabulary
 from verispec.drafters.ngram import NGramDrafter
 from verispec.errors import InvalidParameter
 
@@ -25,13 +26,18 @@ def _draft(target, draft=None, backend: str = "hf", **_):
         raise InvalidParameter("method 'draft' needs a draft model; pass draft=... (CLI: --draft MODEL)")
     if not isinstance(draft, LoadedModel):
         draft = load_model(draft, dtype=target.dtype, device=target.device)
-    check_same_vocabulary(target.tokenizer, draft.tokenizer, target.name, draft.name)
     from verispec.fast import make_runner
 
     # the draft's numerics only change proposals, never the output, so its fast runner skips exact mode
-    runner = make_runner(draft.model, backend,
-                         **({} if backend == "hf" else {"exact": False, "capacity": target.context_length + 256}))
-    return DraftModelDrafter(draft.model, target.vocab_size, runner=runner)
+    same = same_vocabulary(target.tokenizer, draft.tokenizer)
+    # another vocabulary: the draft holds the same text in its own tokens, at most its own context
+    capacity = (target.context_length if same else draft.context_length) + 256
+    runner = make_runner(draft.model, backend, **({} if backend == "hf" else {"exact": False, "capacity": capacity}))
+    if same:
+        return DraftModelDrafter(draft.model, target.vocab_size, runner=runner)
+    inner = DraftModelDrafter(draft.model, draft.vocab_size, runner=runner)  # proposes draft ids; cross_vocab.py maps them
+    return CrossVocabularyDrafter(inner, TextCodec.of(target.tokenizer), TextCodec.of(draft.tokenizer),
+                                  max_context=draft.context_length)
 
 
 def _suffix(target, suffix_cache="global", suffix_alpha: float = 1.0, suffix_min_prob: float = 0.1,
@@ -40,6 +46,12 @@ def _suffix(target, suffix_cache="global", suffix_alpha: float = 1.0, suffix_min
 
     return make_suffix_drafter(target.name, cache=suffix_cache, alpha=suffix_alpha, min_prob=suffix_min_prob,
                                depth=suffix_depth)
+
+
+def _lookahead(target, lookahead_window: int = 2, lookahead_ngram: int = 3, lookahead_candidates: int = 2, **_):
+    from verispec.drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(window=lookahead_window, ngram=lookahead_ngram, candidates=lookahead_candidates)
 
 
 def _eagle(target, head=None, **_):
@@ -59,6 +71,7 @@ METHODS: dict[str, Callable] = {"ar": _ar, "ngram": _ngram, "draft": _draft}
 METHODS["eagle"] = _eagle
 METHODS["medusa"] = _medusa
 METHODS["suffix"] = _suffix
+METHODS["lookahead"] = _lookahead
 
 
 def make_drafter(method: str, target, **options) -> Drafter | None:
@@ -67,4 +80,4 @@ def make_drafter(method: str, target, **options) -> Drafter | None:
     return METHODS[method](target, **options)
 
 
-__all__ = ["Drafter", "TreeDrafter", "DraftLengthSchedule", "DraftModelDrafter", "NGramDrafter", "METHODS", "make_drafter"]
+__all__ = ["Drafter", "TreeDrafter", "DraftLengthSchedule", "DraftModelDrafter", "CrossVocabularyDrafter", "TextCodec", "NGramDrafter", "METHODS", "make_drafter"]

@@ -1,4 +1,5 @@
-"""An independent draft model: a smaller causal LM with the target's vocabulary, drafting autoregressively.
+"""An independent draft model: a smaller causal LM with the target's vocabulary, drafting autoregressively
+(a draft model with another vocabulary is wrapped by cross_vocab.py).
 
 Its own KV cache is kept in step with the committed tokens: before each proposal the cache is cut
 back to the longest prefix it shares with the committed sequence, and only the rest is fed.
@@ -18,22 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from verispec.errors import VocabularyMismatch
 from verispec.runner import HFRunner
 from verispec.sampling import logits_to_probs, sample
 from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
-def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
-    if target_tokenizer is draft_tokenizer:
-        return
-    tv, dv = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    if tv != dv:
-        raise VocabularyMismatch(
-            f"draft model '{draft_name}' has another vocabulary than '{target_name}' ({len(dv)} vs {len(tv)} tokens); "
-            "use a draft model with the target's tokenizer, or --method ngram"
-        )
+def same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
+    """Whether token ids mean the same strings for both (else the draft goes through cross_vocab.py)."""
+    return target_tokenizer is draft_tokenizer or target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
 class DraftModelDrafter:
