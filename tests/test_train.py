@@ -47,10 +47,10 @@ def dataset(tiny, tmp_path_factory):
     return records, FeatureSet(paths), layers
 
 
-def _eagle(tiny, records, vocab=32, seed=0):
+def _eagle(tiny, records, vocab=32, seed=0, layout="verispec"):
     torch.manual_seed(seed)
     d2t = build_draft_vocab(records, vocab, V)
-    head = EagleHead(EagleHead.make_config(tiny, d2t.numel()))
+    head = EagleHead(EagleHead.make_config(tiny, d2t.numel(), layout=layout))
     head.d2t.copy_(d2t)
     head.attach_embedding(tiny.model.get_input_embeddings().weight)
     return head
@@ -85,9 +85,10 @@ def test_fast_backend_features_match_transformers(tiny, dataset, tmp_path):
         extract_features(tiny, records[:5], tmp_path, layers, progress=False, backend="jax")
 
 
-def test_eagle_loss_falls(tiny, dataset, tmp_path):
+@pytest.mark.parametrize("layout", ["verispec", "eagle3"])
+def test_eagle_loss_falls(tiny, dataset, tmp_path, layout):
     records, data, _ = dataset
-    head = _eagle(tiny, records)
+    head = _eagle(tiny, records, layout=layout)
     hist = train_eagle(head, data, V, tmp_path / "w", steps=40, batch_size=4, seq_len=32, lr=3e-3, ttt_steps=3,
                        log=lambda m: None, progress=False)
     first, last = sum(h["loss"] for h in hist[:5]) / 5, sum(h["loss"] for h in hist[-5:]) / 5
@@ -124,10 +125,11 @@ def test_training_resumes_from_its_checkpoint(tiny, dataset, tmp_path):
 
 
 @torch.inference_mode()
-def test_training_time_test_matches_inference(tiny, dataset):
+@pytest.mark.parametrize("layout", ["verispec", "eagle3"])
+def test_training_time_test_matches_inference(tiny, dataset, layout):
     """The unrolled training forward computes what the drafter computes when it drafts a chain."""
     records, data, _ = dataset
-    head = _eagle(tiny, records).eval()
+    head = _eagle(tiny, records, layout=layout).eval()
     seq = records[5]["prompt_ids"] + records[5]["answer_ids"]
     out = tiny.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i] for i in head.feature_layers], -1)

@@ -43,6 +43,7 @@ def _command(kind: str):
         ttt_steps: int = typer.Option(6, "--ttt-steps", help="EAGLE: training-time test unroll steps."),
         draft_vocab: int = typer.Option(2048, "--draft-vocab", help="Reduced draft vocabulary size."),
         medusa_heads: int = typer.Option(4, "--medusa-heads", help="Medusa: number of heads."),
+        layout: str = typer.Option("verispec", "--layout", help="EAGLE: verispec (own layer) or eagle3 (EAGLE-3's layer; verispec export writes it for vLLM / SGLang)."),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
@@ -59,7 +60,7 @@ def _command(kind: str):
     ):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
-             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
+             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, layout=layout, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
              eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes,
              feature_backend=feature_backend)

@@ -40,6 +40,7 @@ class TrainConfig:
     ttt_steps: int = 6               # as deep as a dynamic tree drafts
     draft_vocab: int = 2048
     medusa_heads: int = 4
+    layout: str = "verispec"         # eagle: "eagle3" trains EAGLE-3's layer (exportable to vLLM / SGLang)
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
@@ -64,6 +65,8 @@ def _check(cfg: TrainConfig) -> None:
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.layout not in ("verispec", "eagle3"):
+        raise InvalidParameter(f"unknown layout '{cfg.layout}'; use verispec or eagle3")
     if cfg.feature_backend not in ("hf", "fast"):
         raise InvalidParameter(f"unknown feature backend '{cfg.feature_backend}'; use hf or fast")
     if cfg.seq_len < cfg.ttt_steps + 2:
@@ -131,7 +134,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     lm = target.model.get_output_embeddings().weight.detach().float().cpu()
     if cfg.kind == "eagle":
-        module = EagleHead(EagleHead.make_config(target, d2t.numel()))
+        module = EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
             module.lm_head.weight.copy_(lm[d2t])
@@ -142,7 +145,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module.d2t.copy_(d2t)
         module.init_lm_head(lm)
     t0 = time.perf_counter()
-    state = cfg.kind if not cfg.max_positions else f"{cfg.kind}-{cfg.max_positions}"
+    state = cfg.kind + ("-eagle3" if cfg.kind == "eagle" and cfg.layout == "eagle3" else "")  # another layer, another state
+    state = state if not cfg.max_positions else f"{state}-{cfg.max_positions}"
     common = dict(max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed,
                   device=cfg.device, log=log, progress=cfg.progress)
     if cfg.kind == "eagle":
