@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -17,6 +18,8 @@ def _run(kind: str, **options) -> None:
 
     cfg = TrainConfig(kind=kind, **options)
     config = run(cfg, log=lambda m: typer.echo(m, err=True))
+    if int(os.environ.get("RANK", "0")) > 0:
+        return  # a torchrun rank other than 0: rank 0 evaluates, saves and reports
     t = config["training"]
     held = t.get("heldout", {}).get("overall", {})
     typer.echo(f"{kind} head: {t['steps']} steps, {t['train_seconds_total']:.0f} s training, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -93,7 +93,14 @@ def run(cfg: TrainConfig, log=print) -> dict:
     from verispec.train.loops import train_eagle, train_medusa
     from verispec.train.vocab import coverage, draft_vocab_for
 
+    from verispec.train import distributed
+    from verispec.train.data import read_jsonl
+
     _check(cfg)
+    cfg = replace(cfg, device=distributed.init(cfg.device))  # under torchrun: join the group (one GPU per rank)
+    rank, world = distributed.rank(), distributed.world()
+    if rank:
+        log = lambda m: None  # noqa: E731 - rank 0 speaks for all
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -106,9 +113,23 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     t0 = time.perf_counter()
     prompts = training_prompts(data_dir, cfg.prompts, seed=cfg.seed)
-    records = generate_answers(target, prompts, work / "answers.jsonl", max_prompt_tokens=cfg.max_prompt_tokens,
-                               max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, log=log, progress=cfg.progress,
-                               max_seconds=cfg.gen_minutes * 60 if cfg.gen_minutes is not None else None)
+    gen = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch,
+               log=log, progress=cfg.progress and rank == 0,
+               max_seconds=cfg.gen_minutes * 60 if cfg.gen_minutes is not None else None)
+    answers = work / "answers.jsonl"
+    if world > 1:  # rank r answers prompts r, r + W, ... into its own part; rank 0 appends the parts in rank order
+        have = {r["id"] for r in read_jsonl(answers)}
+        generate_answers(target, [p for p in prompts if p["id"] not in have][rank::world], work / f"answers.rank{rank}.jsonl", **gen)
+        distributed.barrier()
+        if rank == 0:
+            with answers.open("a") as f:
+                for r in range(world):
+                    part = work / f"answers.rank{r}.jsonl"
+                    f.writelines(json.dumps(x) + "\n" for x in read_jsonl(part) if x["id"] not in have)
+                    part.unlink()
+        distributed.barrier()
+        gen["max_seconds"] = 0  # what is left was left by the ranks' time budgets
+    records = generate_answers(target, prompts, answers, **gen)
     keep = {p["id"] for p in prompts}
     records, heldout = split_heldout([r for r in records if r["id"] in keep], cfg.heldout_share)
     timings["generate_s"] = round(time.perf_counter() - t0, 1)
@@ -118,8 +139,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
     t0 = time.perf_counter()
     L = int(target.model.config.num_hidden_layers)
     layers = sorted(set(default_feature_layers(L)) | {L})
-    paths = extract_features(target, records, work / "features", layers, progress=cfg.progress,
-                             backend=cfg.feature_backend)
+    paths = extract_features(target, records, work / "features", layers, progress=cfg.progress and rank == 0,
+                             backend=cfg.feature_backend, part=(rank, world))
+    distributed.barrier()  # every rank's shards are written
     if cfg.max_positions:
         paths = paths[: max(1, shards_within(paths, cfg.max_positions))]
         records = records[: sum(len(torch.load(p)["ids"]) for p in paths)]  # shards hold records in order
@@ -127,8 +149,12 @@ def run(cfg: TrainConfig, log=print) -> dict:
     timings["features_s"] = round(time.perf_counter() - t0, 1)
     log(f"features: {data.num_tokens} positions, layers {layers}")
 
+    if rank:
+        distributed.barrier()  # rank 0 writes the vocabulary file first; the others read it
     d2t, fingerprint = draft_vocab_for(work / f"vocab_{cfg.draft_vocab}.pt", records, cfg.draft_vocab, target.vocab_size,
                                        always=target.eos_token_ids)
+    if rank == 0:
+        distributed.barrier()
     cov = coverage(records, d2t)
     log(f"draft vocabulary: {d2t.numel()} tokens, {cov:.1%} of answer tokens")
 
@@ -172,6 +198,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
         "steps": len(history), "train_seconds_total": train_seconds, "timings_this_run": timings,
         "final_loss": tail[-1]["loss"] if tail else None, "train_top1_by_step_last20": final_top1,
     }
+    if rank:  # rank 0 evaluates and saves the head
+        distributed.close()
+        return config
     # held-out figures, on prompts never trained on, with the head as it ships
     if cfg.eval_prompts > 0 or cfg.eval_bench > 0:
         t0 = time.perf_counter()
@@ -185,6 +214,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module.cpu()
     save_head(out, config, state)
     log(f"saved the {cfg.kind} head to {out}")
+    distributed.close()
     return config
 
 
