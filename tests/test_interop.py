@@ -86,16 +86,19 @@ def _save(head: EagleHead, path: Path) -> Path:
     return save_head(path, dict(head.config), head.state_dict(), dtype=torch.float32)
 
 
-def test_eagle3_layout_drafts_exactly(tiny):
-    plain = Engine.for_model(tiny, None, backend="hf")
+@pytest.mark.parametrize("backend", ["hf", "fast"])
+def test_eagle3_layout_drafts_exactly(tiny, backend):
+    plain = Engine.for_model(tiny, None, backend=backend)
     prompts = [[1, 5, 9, 2], [7, 7, 7, 1, 2, 3, 11, 40]]
     for nbr in (False, True):
-        drafter = EagleDrafter(eagle3_head(tiny, norm_before_residual=nbr), tiny.vocab_size)
+        # the fast backend drafts with packed bfloat16 weight copies, as a shipped head does
+        drafter = EagleDrafter(eagle3_head(tiny, norm_before_residual=nbr), tiny.vocab_size,
+                               weights_dtype=torch.bfloat16 if backend == "fast" else None)
         for tree in (None, "dynamic"):
-            engine = Engine.for_model(tiny, drafter, draft_length=4, tree=tree, backend="hf")
+            engine = Engine.for_model(tiny, drafter, draft_length=4, tree=tree, backend=backend)
             for p in prompts:
                 got = engine.generate(p, SamplingParams(max_new_tokens=24))
-                assert got.token_ids == plain.generate(p, SamplingParams(max_new_tokens=24)).token_ids
+                assert got.token_ids == plain.generate(p, SamplingParams(max_new_tokens=24)).token_ids, (backend, nbr, tree)
                 assert got.stats.drafted > 0
 
 
