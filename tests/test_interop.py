@@ -248,3 +248,47 @@ def test_speculators_library_loads_the_export(tiny, tmp_path):
     assert mine.keys() == lib.keys()
     for k in lib:
         assert lib[k].dtype == mine[k].dtype and torch.equal(lib[k], mine[k]), k
+
+
+@pytest.mark.real_model
+def test_speculators_library_loads_a_smollm2_export(smollm2, tmp_path):
+    """The same proof at SmolLM2-135M's shapes (9 query / 3 key-value heads, head_dim 64, rope theta 1e5,
+    a 2,048-token draft vocabulary of 49,152) on the target's real features: a random eagle3 head exported
+    in bfloat16 as it would ship; the library's logits equal verispec's on the same bf16 weights."""
+    import speculators_env
+
+    torch.manual_seed(3)
+    cfg = EagleHead.make_config(smollm2, 2048, layout="eagle3")
+    head = EagleHead(cfg)
+    head.d2t.copy_(torch.randperm(smollm2.vocab_size)[:2048])
+    head.attach_embedding(smollm2.model.get_input_embeddings().weight)
+    with torch.no_grad():  # the weights as bfloat16 stores them, so both sides read the same numbers
+        for p in head.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    smollm2.model.config.save_pretrained(tmp_path / "target")
+    from safetensors.torch import save_file
+
+    sd = smollm2.model.state_dict()
+    # the verifier weights the library reads (embedding; SmolLM2 ties its LM head to it; final norm)
+    save_file({"model.embed_tokens.weight": sd["model.embed_tokens.weight"].clone(),
+               "model.norm.weight": sd["model.norm.weight"].clone()}, str(tmp_path / "target" / "model.safetensors"))
+    config, tensors = read_head(save_head(tmp_path / "v", dict(head.config), head.state_dict()), "eagle", smollm2)
+    out = export_head(config, tensors, tmp_path / "spec", "speculators",
+                      embedding=smollm2.model.get_input_embeddings().weight, verifier=str(tmp_path / "target"))
+    ids = smollm2.encode(chat=[{"role": "user", "content": "Name three rivers of Europe."}])
+    with torch.no_grad():
+        hs = smollm2.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i][0] for i in head.feature_layers], -1)
+    toks = torch.tensor(ids[1:] + [ids[-1]])  # entry t reads the token after t
+    torch.save({"features": feats[None], "ids": toks[None], "steps": 2}, tmp_path / "in.pt")
+    r = speculators_env.run(Path(__file__).with_name("speculators_probe.py"), str(out), str(tmp_path / "in.pt"),
+                            str(tmp_path / "out.pt"), str(tmp_path / "saved"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        want = teacher_forced_logits(head, feats, toks, 2)
+    their_ids = got["d2t"] + torch.arange(got["d2t"].numel())
+    for mine, theirs in zip(want, got["logits"]):
+        a = to_target_vocab(mine, head.d2t, smollm2.vocab_size)
+        b = to_target_vocab(theirs[0], their_ids, smollm2.vocab_size)
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
