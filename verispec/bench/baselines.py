@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field

@@ -85,7 +85,6 @@ def export_head(config: dict, tensors: dict[str, torch.Tensor], out: str | Path,
     if fmt == "speculators" and embedding is None:
         raise HeadMismatch("the speculators format carries the target's embedding; pass the target model")
     H = int(config["hidden_size"])
-    L = int(config["target"]["num_hidden_layers"])
     d2t = tensors["d2t"].long()
     order = torch.argsort(d2t)
     ids = d2t[order]
