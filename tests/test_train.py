@@ -47,10 +47,10 @@ def dataset(tiny, tmp_path_factory):
     return records, FeatureSet(paths), layers
 
 
-def _eagle(tiny, records, vocab=32, seed=0):
+def _eagle(tiny, records, vocab=32, seed=0, layout="verispec"):
     torch.manual_seed(seed)
     d2t = build_draft_vocab(records, vocab, V)
-    head = EagleHead(EagleHead.make_config(tiny, d2t.numel()))
+    head = EagleHead(EagleHead.make_config(tiny, d2t.numel(), layout=layout))
     head.d2t.copy_(d2t)
     head.attach_embedding(tiny.model.get_input_embeddings().weight)
     return head
@@ -85,10 +85,10 @@ def test_fast_backend_features_match_transformers(tiny, dataset, tmp_path):
         extract_features(tiny, records[:5], tmp_path, layers, progress=False, backend="jax")
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_eagle_loss_falls(tiny, dataset, tmp_path, precision):
+@pytest.mark.parametrize("layout,precision", [("verispec", "float32"), ("verispec", "bfloat16"), ("eagle3", "bfloat16")])
+def test_eagle_loss_falls(tiny, dataset, tmp_path, layout, precision):
     records, data, _ = dataset
-    head = _eagle(tiny, records)
+    head = _eagle(tiny, records, layout=layout)
     hist = train_eagle(head, data, V, tmp_path / "w", steps=40, batch_size=4, seq_len=32, lr=3e-3, ttt_steps=3,
                        log=lambda m: None, progress=False, autocast=precision)
     assert all(p.dtype == torch.float32 for p in head.parameters())  # autocast keeps float32 master weights
@@ -126,10 +126,11 @@ def test_training_resumes_from_its_checkpoint(tiny, dataset, tmp_path):
 
 
 @torch.inference_mode()
-def test_training_time_test_matches_inference(tiny, dataset):
+@pytest.mark.parametrize("layout", ["verispec", "eagle3"])
+def test_training_time_test_matches_inference(tiny, dataset, layout):
     """The unrolled training forward computes what the drafter computes when it drafts a chain."""
     records, data, _ = dataset
-    head = _eagle(tiny, records).eval()
+    head = _eagle(tiny, records, layout=layout).eval()
     seq = records[5]["prompt_ids"] + records[5]["answer_ids"]
     out = tiny.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i] for i in head.feature_layers], -1)

@@ -54,6 +54,7 @@ from verispec.commands import generate as _generate  # noqa: E402,F401
 from verispec.commands import bench as _bench  # noqa: E402,F401
 from verispec.commands import serve as _serve  # noqa: E402,F401
 from verispec.commands import train as _train  # noqa: E402,F401
+from verispec.commands import export as _export  # noqa: E402,F401
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())

@@ -7,19 +7,25 @@ speculation statistics. Baselines run on the same loaded model, dtype and prompt
   hf-assisted  transformers assisted generation with assistant_model = the draft model
   llamacpp     llama.cpp through llama-cpp-python on the model's GGUF file (only when importable), plain
   llamacpp-pld llama.cpp with its prompt-lookup speculative mode
+  openai:URL   any OpenAI-compatible server (vLLM, SGLang, llama-server, verispec serve) at URL, sent the
+               same prompt token ids; its streamed output is timed on this side of the socket
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 import torch
 
 from verispec.errors import InvalidParameter
 
-BASELINES = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld")
+BASELINES = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld", "openai:URL")
+OPENAI = "openai:"
 
 
 @dataclass
@@ -186,8 +192,104 @@ class LlamaCppContender:
         return out, None
 
 
+def split_baselines(text: str) -> list[str]:
+    """'hf,openai:http://h:8000/v1,model=m,label=vllm,hf-pld' -> ['hf', 'openai:http://h:8000/v1,model=m,label=vllm',
+    'hf-pld']: key=value items after an openai: entry are its options."""
+    out: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        if "=" in item and out and out[-1].startswith(OPENAI):
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
+class OpenAIContender:
+    """An OpenAI-compatible server: POST /v1/completions with the prompt as token ids, greedy, streamed.
+    Its time is the client's wall time for the whole streamed answer (HTTP and the server's own queueing
+    included, as a user sees it). Output token ids come from the stream where the server sends them
+    (verispec serve's `verispec.token_ids`, vLLM's `token_ids` with return_token_ids); otherwise the text is
+    re-encoded with the target's tokenizer, which can differ from the server's ids where tokenization is
+    not unique, so the options record which one was used."""
+
+    kind = "baseline"
+
+    def __init__(self, spec: str, target, timeout: float = 600.0):
+        rest = spec[len(OPENAI):]
+        url, *items = rest.split(",")
+        opts = {}
+        for item in items:
+            key, eq, val = item.partition("=")
+            if not eq or key.strip() not in ("model", "label", "api_key"):
+                raise InvalidParameter(f"openai baseline option '{item}' is not model=, label= or api_key=")
+            opts[key.strip()] = val.strip()
+        if not url.startswith(("http://", "https://")):
+            raise InvalidParameter(f"openai baseline needs an http(s) URL, e.g. openai:http://127.0.0.1:8000/v1; got '{url}'")
+        self.base = url.rstrip("/")
+        if not self.base.endswith("/v1"):
+            self.base += "/v1"
+        self.target, self.timeout = target, timeout
+        self.headers = {"Content-Type": "application/json"}
+        if opts.get("api_key"):
+            self.headers["Authorization"] = f"Bearer {opts['api_key']}"
+        self.model = opts.get("model") or self._first_model()
+        self.label = opts.get("label") or f"openai:{self.model}"
+        self.eos = set(target.eos_token_ids)
+        self.options = {"url": self.base, "model": self.model, "token_ids": None}
+
+    def _request(self, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, headers=self.headers, method="GET" if body is None else "POST")
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout)
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            raise InvalidParameter(f"{self.base}{path} answered {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise InvalidParameter(f"cannot reach {self.base}{path}: {getattr(exc, 'reason', exc)}") from None
+
+    def _first_model(self) -> str:
+        with self._request("/models") as r:
+            models = json.load(r).get("data") or []
+        if not models:
+            raise InvalidParameter(f"{self.base}/models lists no model; give one with openai:URL,model=NAME")
+        return str(models[0]["id"])
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int):
+        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_new_tokens, "temperature": 0.0,
+                "stream": True, "return_token_ids": True}
+        text, ids, got_ids = [], [], False
+        with self._request("/completions", body) as r:
+            for raw in r:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"the server sent an error mid-stream: {chunk['error']}")
+                for choice in chunk.get("choices") or []:
+                    text.append(choice.get("text") or "")
+                    piece = choice.get("token_ids") or (chunk.get("verispec") or {}).get("token_ids")
+                    if piece is not None:
+                        got_ids = True
+                        ids.extend(int(t) for t in piece)
+        if got_ids:
+            self.options["token_ids"] = "from the server"
+        else:
+            ids = self.target.encode(prompt="".join(text))
+            self.options["token_ids"] = "re-encoded from the text"
+        return _strip_eos(ids, self.eos)[:max_new_tokens], None
+
+
 def make_baseline(name: str, target, draft=None, draft_length: int = 5, threads: int | None = None):
     """A baseline contender, or None (with the reason) when it cannot run here."""
+    if name.startswith(OPENAI):
+        return OpenAIContender(name, target), None
     if name == "hf":
         return HFContender(target, "hf"), None
     if name == "hf-pld":

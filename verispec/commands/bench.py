@@ -124,7 +124,7 @@ def bench(
     method: list[str] = typer.Option(["ar", "ngram"], "--method", help="Method, repeatable; options after a colon: 'ngram:draft_length=4,ngram_max=3,label=pld4'. Plain decoding (ar) always runs."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft and the hf-assisted baseline."),
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Default draft length (also prompt_lookup_num_tokens for hf-pld)."),
-    baselines: str = typer.Option("auto", "--baselines", help="Comma list of hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld; 'auto' = all that can run, 'none'."),
+    baselines: str = typer.Option("auto", "--baselines", help="Comma list of hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, openai:URL[,model=M,label=L] (any OpenAI-compatible server, same questions); 'auto' = all local ones that can run, 'none'."),
     prompts: str = typer.Option("spec_bench", "--prompts", "-p", help="spec_bench, mt_bench, gsm8k, humaneval or a JSONL file with 'turns'."),
     per_category: int = typer.Option(4, "--per-category", "-n", help="Questions per category (0 = all)."),
     categories: list[str] = typer.Option([], "--category", help="Only these categories (repeatable or comma list)."),
@@ -144,7 +144,7 @@ def bench(
 ):
     """Spec-Bench style benchmark: methods and baselines on the same prompts, speedups measured in the same run."""
     from verispec.bench import prompts as pr
-    from verispec.bench.baselines import BASELINES, parse_method
+    from verispec.bench.baselines import BASELINES, OPENAI, parse_method, split_baselines
     from verispec.bench.harness import run_bench
     from verispec.bench.report import markdown, mismatch_lines, write_bench
     from verispec.models import load_model
@@ -161,8 +161,8 @@ def bench(
     elif baselines == "none":
         names = []
     else:
-        names = _csv([baselines])
-        unknown = [n for n in names if n not in BASELINES]
+        names = split_baselines(baselines)
+        unknown = [n for n in names if n not in BASELINES and not n.startswith(OPENAI)]
         if unknown:
             fail(f"unknown baseline {', '.join(unknown)}; use {', '.join(BASELINES)}, auto or none")
     questions = pr.load_prompts(prompts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -17,6 +18,8 @@ def _run(kind: str, **options) -> None:
 
     cfg = TrainConfig(kind=kind, **options)
     config = run(cfg, log=lambda m: typer.echo(m, err=True))
+    if int(os.environ.get("RANK", "0")) > 0:
+        return  # a torchrun rank other than 0: rank 0 evaluates, saves and reports
     t = config["training"]
     held = t.get("heldout", {}).get("overall", {})
     typer.echo(f"{kind} head: {t['steps']} steps, {t['train_seconds_total']:.0f} s training, "
@@ -43,6 +46,7 @@ def _command(kind: str):
         ttt_steps: int = typer.Option(6, "--ttt-steps", help="EAGLE: training-time test unroll steps."),
         draft_vocab: int = typer.Option(2048, "--draft-vocab", help="Reduced draft vocabulary size."),
         medusa_heads: int = typer.Option(4, "--medusa-heads", help="Medusa: number of heads."),
+        layout: str = typer.Option("verispec", "--layout", help="EAGLE: verispec (own layer) or eagle3 (EAGLE-3's layer; verispec export writes it for vLLM / SGLang)."),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
@@ -60,7 +64,7 @@ def _command(kind: str):
     ):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
-             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
+             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, layout=layout, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
              eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes, train_precision=train_precision,
              feature_backend=feature_backend)

@@ -7,6 +7,11 @@ embedding table) and its output h_t gives, through a norm and an LM head over a 
 vocabulary (the most frequent tokens of the training data, FR-Spec / EAGLE-3), the distribution of
 x_{t+2}. Drafting further, h_t itself stands in for the target feature of the drafted position.
 
+Two layouts of that layer: "verispec" (the default, the shipped heads) projects the concatenation to H
+with `inp` and feeds ln1 of it to attention, its residual the projection; "eagle3" is EAGLE-3's own
+first layer (attention reads the 2H concatenation, residual g_t), the form vLLM and SGLang load
+(heads/interop.py exports and imports it).
+
 Its KV cache keeps committed positions only: the entry of position t needs the target's feature of t
 and the token x_{t+1}, so after each verification the engine hands over the features of the accepted
 positions (Engine: drafter.observe_features) and the next proposal first appends their entries (one
@@ -61,6 +66,9 @@ def default_feature_layers(num_hidden_layers: int) -> list[int]:
     return sorted({min(3, L), max(1, L // 2 + 1), max(1, L - 2)})
 
 
+LAYOUTS = ("verispec", "eagle3")
+
+
 class EagleHead(nn.Module):
     """The trainable head. `config` is the head's config.json (see heads/__init__.py)."""
 
@@ -71,13 +79,27 @@ class EagleHead(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = int(config["num_heads"]), int(config["num_kv_heads"]), int(config["head_dim"])
         self.feature_layers = [int(i) for i in config["feature_layers"]]
         inter, vd = int(config["intermediate_size"]), int(config["draft_vocab_size"])
+        eps = float(config.get("rms_norm_eps", 1e-5))
+        self.layout = config.get("layout", "verispec")
+        if self.layout not in LAYOUTS:
+            raise HeadMismatch(f"unknown eagle head layout {self.layout!r}; use one of {', '.join(LAYOUTS)}")
+        if self.layout == "eagle3" and H != Ht:
+            raise HeadMismatch(f"an eagle3-layout head reads the target's embedding beside its own hidden state, so its "
+                               f"hidden_size must be the target's ({Ht}), not {H}")
+        self.norm_before_residual = bool(config.get("norm_before_residual", False))
+        self.hidden = H
         self.fc = nn.Linear(len(self.feature_layers) * Ht, H, bias=False)
-        self.norm_e, self.norm_h = RMSNorm(Ht), RMSNorm(H)
-        self.inp = nn.Linear(Ht + H, H, bias=False)
-        self.ln1, self.ln2, self.norm = RMSNorm(H), RMSNorm(H), RMSNorm(H)
-        self.q = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
-        self.k = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
-        self.v = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.norm_e, self.norm_h = RMSNorm(Ht, eps), RMSNorm(H, eps)
+        width = H
+        if self.layout == "verispec":
+            self.inp = nn.Linear(Ht + H, H, bias=False)
+            self.ln1 = RMSNorm(H, eps)
+        else:
+            width = Ht + H  # EAGLE-3: attention reads [norm(embedding), norm(hidden)] itself
+        self.ln2, self.norm = RMSNorm(H, eps), RMSNorm(H, eps)
+        self.q = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
         self.gate = nn.Linear(H, inter, bias=False)
         self.up = nn.Linear(H, inter, bias=False)
@@ -92,7 +114,7 @@ class EagleHead(nn.Module):
 
     @staticmethod
     def make_config(target, draft_vocab_size: int, feature_layers: list[int] | None = None,
-                    intermediate_size: int | None = None) -> dict:
+                    intermediate_size: int | None = None, layout: str = "verispec") -> dict:
         from verispec.heads import target_identity
 
         cfg = target.model.config
@@ -104,7 +126,7 @@ class EagleHead(nn.Module):
                 "feature_layers": feature_layers or default_feature_layers(int(cfg.num_hidden_layers)),
                 "hidden_size": H, "num_heads": heads, "num_kv_heads": int(cfg.num_key_value_heads), "head_dim": head_dim,
                 "intermediate_size": int(intermediate_size or cfg.intermediate_size), "draft_vocab_size": int(draft_vocab_size),
-                "rope_theta": float(rope or 10000.0)}
+                "rope_theta": float(rope or 10000.0), "layout": layout}
 
     def attach_embedding(self, weight: torch.Tensor) -> None:
         self.embed = weight.detach()
@@ -138,12 +160,18 @@ class EagleHead(nn.Module):
         return self.lin("fc", features.to(self.fc.weight.dtype))
 
     def inputs(self, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        e = F.embedding(ids, self.embed).to(g.dtype)
-        return self.lin("inp", torch.cat([self.norm_e(e), self.norm_h(g)], dim=-1))
+        """Token ids [...] and hidden states g [..., H] -> the layer input x that qkv and finish read:
+        verispec layout: inp([norm_e(e), norm_h(g)]) [..., H]; eagle3 layout: [norm_e(e), norm_h(g), r]
+        [..., 3H], r the residual (g, or norm_h(g) with norm_before_residual)."""
+        e = self.norm_e(F.embedding(ids, self.embed).to(g.dtype))
+        gn = self.norm_h(g)
+        if self.layout == "eagle3":
+            return torch.cat([e, gn, gn if self.norm_before_residual else g], dim=-1)
+        return self.lin("inp", torch.cat([e, gn], dim=-1))
 
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
-        """x [..., T, H], pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd] (rotated)."""
-        h = self.ln1(x)
+        """x [..., T, W] (from inputs), pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd] (rotated)."""
+        h = x[..., : -self.hidden] if self.layout == "eagle3" else self.ln1(x)
         shape = x.shape[:-1]
         q = self.lin("q", h).view(*shape, self.n_heads, self.head_dim).transpose(-3, -2)
         k = self.lin("k", h).view(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
@@ -151,8 +179,9 @@ class EagleHead(nn.Module):
         return _rotate(q, pos, self.inv_freq), _rotate(k, pos, self.inv_freq), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x [..., T, H] (the layer input), attn [..., nh, T, hd] -> the layer output h [..., T, H]."""
-        x = x + self.lin("o", attn.transpose(-3, -2).reshape(*x.shape[:-1], -1))
+        """x [..., T, W] (the layer input), attn [..., nh, T, hd] -> the layer output h [..., T, H]."""
+        r = x[..., -self.hidden:] if self.layout == "eagle3" else x
+        x = r + self.lin("o", attn.transpose(-3, -2).reshape(*x.shape[:-1], -1))
         h = self.ln2(x)
         return x + self.lin("down", F.silu(self.lin("gate", h)) * self.lin("up", h))
 
@@ -163,11 +192,10 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(target, head: str | Path | None = None, device=None) -> EagleHead:
     """The EAGLE head at `head` (default: the one shipped for the target), checked against the target."""
-    from verispec.heads import check_target, load_head_files, resolve_head
+    from verispec.heads import read_head, resolve_head
 
     path = resolve_head(target, "eagle", head)
-    config, tensors = load_head_files(path, "eagle")
-    check_target(config, target, where=f"the eagle head at '{path}'")
+    config, tensors = read_head(path, "eagle", target)
     module = EagleHead(config)
     missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
                                                  strict=False)

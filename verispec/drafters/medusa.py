@@ -63,11 +63,10 @@ class MedusaHeads(nn.Module):
 
 
 def load_medusa_heads(target, head: str | Path | None = None, device=None) -> MedusaHeads:
-    from verispec.heads import check_target, load_head_files, resolve_head
+    from verispec.heads import read_head, resolve_head
 
     path = resolve_head(target, "medusa", head)
-    config, tensors = load_head_files(path, "medusa")
-    check_target(config, target, where=f"the medusa head at '{path}'")
+    config, tensors = read_head(path, "medusa", target)
     module = MedusaHeads(config)
     missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
                                                  strict=False)

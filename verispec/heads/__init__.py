@@ -8,7 +8,8 @@ A head is a folder with two files:
                         num_hidden_layers, embed_fingerprint}, "feature_layers": [...], "draft_vocab_size",
                         the head's own shape, and "training": how it was trained and what it reached}
 
-`check_target` refuses a head for another target (HeadMismatch): the architecture must match exactly
+EAGLE-3 heads in vLLM's `speculators` format or SGLang's layout are read and written by interop.py
+(`read_head` takes any of the three). `check_target` refuses a head for another target (HeadMismatch): the architecture must match exactly
 and a fingerprint of the embedding must agree, so a head trained on one checkpoint is not silently used
 on another of the same shape. Shipped heads live in verispec/heads/<target name>/<kind>/.
 """
@@ -86,6 +87,21 @@ def load_head_files(path: str | Path, kind: str) -> tuple[dict, dict[str, torch.
     if config.get("kind") != kind:
         raise HeadMismatch(f"'{path}' holds a {config.get('kind')!r} head, not a {kind!r} head")
     return config, load_file(str(path / "model.safetensors"))
+
+
+def read_head(path: str | Path, kind: str, target) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of the head folder at `path` for `target`, checked: a verispec head, or an EAGLE-3
+    head in vLLM's speculators format or SGLang's layout (heads/interop.py turns those into verispec's)."""
+    from verispec.heads.interop import foreign_format, import_head
+
+    fmt = foreign_format(path)
+    if fmt is not None:
+        if kind != "eagle":
+            raise HeadMismatch(f"'{path}' holds an EAGLE-3 head ({fmt} format), not a {kind} head")
+        return import_head(path, target)
+    config, tensors = load_head_files(path, kind)
+    check_target(config, target, where=f"the {kind} head at '{path}'")
+    return config, tensors
 
 
 def shipped_head(target_name: str, kind: str) -> Path | None:

@@ -23,7 +23,11 @@ import torch
 
 @torch.inference_mode()
 def extract_features(target, records: list[dict], out_dir: Path, layers: list[int], topk: int = 8,
-                     batch_size: int = 8, shard_size: int = 32, progress: bool = True, backend: str = "hf") -> list[Path]:
+                     batch_size: int = 8, shard_size: int = 32, progress: bool = True, backend: str = "hf",
+                     part: tuple[int, int] = (0, 1)) -> list[Path]:
+    """Feature shards of `records` in out_dir -> every shard's path. part = (rank, world): this process
+    computes shards s with s % world == rank only (torchrun ranks share the work; the caller waits for
+    the others before reading theirs)."""
     if backend not in ("hf", "fast"):
         raise ValueError(f"unknown feature backend {backend!r}; use 'hf' or 'fast'")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -44,6 +48,8 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
     for s in it:
         path = out_dir / f"shard_{s:04d}.pt"
         paths.append(path)
+        if s % part[1] != part[0]:
+            continue
         ids = [r["id"] for r in shards[s]]
         if path.exists():
             old = torch.load(path)

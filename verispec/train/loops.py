@@ -17,7 +17,9 @@ position t + k + 1; losses weighted 0.8^k.
 Both loops log loss and top-1 agreement (the head's argmax equals the target's), checkpoint every
 `save_every` steps with the optimizer and random state (resumable), and are seeded. The forward runs
 under bfloat16 autocast where the CPU has native bf16 matrix units (AVX-512 BF16 / AMX), with float32
-master weights and loss; a float32 GEMM there is ~10x slower than a bf16 one.
+master weights and loss; a float32 GEMM there is ~10x slower than a bf16 one. Under torchrun they run
+data-parallel with the same global batch (distributed.py): the per-step losses are normalised by the
+label count of the whole global batch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.train import distributed
 from verispec.train.extract import FeatureSet
 
 
@@ -122,10 +125,16 @@ class Trainer:
     def __init__(self, module, data: FeatureSet, vocab: int, work: Path, steps: int, batch_size: int, seq_len: int,
                  lr: float, seed: int, device, log=print, save_every: int = 50, progress: bool = True,
                  max_seconds: float | None = None, autocast: str = "auto"):
+        if batch_size < distributed.world():
+            from verispec.errors import InvalidParameter
+
+            raise InvalidParameter(f"batch-size {batch_size} leaves ranks without rows; use at least {distributed.world()}")
         self.module, self.data, self.work = module.to(device), data, Path(work)
         self.autocast = autocast_dtype(autocast, torch.device(device))
         self.steps, self.batch_size, self.seq_len, self.lr = steps, batch_size, seq_len, lr
-        self.device, self.log, self.save_every, self.progress = torch.device(device), log, save_every, progress
+        main = distributed.is_main()  # one rank speaks for all
+        log = log if main else (lambda m: None)
+        self.device, self.log, self.save_every, self.progress = torch.device(device), log, save_every, progress and main
         self.seed = seed
         self.max_seconds = max_seconds  # wall-time cap for this run; the schedule anneals by then
         self.d2t = module.d2t.to(self.device)
@@ -163,28 +172,32 @@ class Trainer:
     def run(self, loss_fn) -> list[dict]:
         """loss_fn(batch dict on device, see FeatureSet.batch) -> (loss, per-step agreement list)."""
         torch.manual_seed(self.seed + self.step)
+        step_fn = distributed.wrap(self.module, loss_fn)
         it = range(self.step, self.steps)
         if self.progress:
             from tqdm import tqdm
 
             it = tqdm(it, initial=self.step, total=self.steps, desc="train", unit="step")
         t0 = t_last = time.perf_counter()
+        elapsed = 0.0
         for step in it:
             idx = torch.randint(0, len(self.data), (self.batch_size,), generator=self.rng).tolist()
-            batch = {name: t.to(self.device) for name, t in self.data.batch(idx, self.seq_len, self.rng).items()}
-            share = (time.perf_counter() - t0) / self.max_seconds if self.max_seconds else 0.0
+            rows = distributed.my_rows(self.data.batch(idx, self.seq_len, self.rng))  # every rank draws the global batch
+            batch = {name: t.to(self.device) for name, t in rows.items()}
+            share = elapsed / self.max_seconds if self.max_seconds else 0.0
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(step, share)
             self.module.train()
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast is not None):
-                loss, agree = loss_fn(batch)
+                loss, agree = step_fn(batch)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
             self.opt.step()
             self.step = step + 1
             done = self.history[-1]["seconds"] if self.history else 0.0
-            rec = {"step": self.step, "loss": round(float(loss.detach()), 4), "top1": [round(a, 4) for a in agree],
+            whole = float(distributed.total(loss.detach())) / distributed.world()  # the global batch's loss
+            rec = {"step": self.step, "loss": round(whole, 4), "top1": [round(a, 4) for a in agree],
                    "seconds": round(done + time.perf_counter() - t_last, 1)}
             t_last = time.perf_counter()
             self.history.append(rec)
@@ -192,8 +205,10 @@ class Trainer:
                 it.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1'][0]:.3f}")
             if self.step % 10 == 0 or self.step == self.steps:
                 self.log(json.dumps(rec))
-            out_of_time = self.max_seconds is not None and time.perf_counter() - t0 > self.max_seconds
-            if self.step % self.save_every == 0 or self.step == self.steps or out_of_time:
+            if self.max_seconds is not None:  # the ranks' mean clock: every rank anneals and stops at the same step
+                elapsed = float(distributed.total(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))) / distributed.world()
+            out_of_time = self.max_seconds is not None and elapsed > self.max_seconds
+            if (self.step % self.save_every == 0 or self.step == self.steps or out_of_time) and distributed.is_main():
                 self.save()
             if out_of_time:
                 self.log(f"time budget reached after step {self.step}")
@@ -227,7 +242,8 @@ def train_eagle(head, data: FeatureSet, vocab: int, work: Path, steps: int = 200
         total, agree = 0.0, []
         for j, lg in enumerate(outs, start=1):
             s, a, n = soft_ce(lg, *shifted_labels(batch, j), trainer.t2d, trainer.d2t)
-            total = total + (0.8 ** (j - 1)) * s / n.clamp_min(1)
+            a, n = distributed.total(a), distributed.total(n)  # the global batch's counts
+            total = total + (0.8 ** (j - 1)) * s * distributed.world() / n.clamp_min(1)
             agree.append(float(a / n.clamp_min(1)))
         return total, agree
 
@@ -247,7 +263,8 @@ def train_medusa(heads, data: FeatureSet, vocab: int, work: Path, steps: int = 2
         total, agree = 0.0, []
         for k in range(heads.num_heads):
             s, a, n = soft_ce(lg[:, :, k], *shifted_labels(batch, k + 1), trainer.t2d, trainer.d2t)
-            total = total + (0.8 ** k) * s / n.clamp_min(1)
+            a, n = distributed.total(a), distributed.total(n)
+            total = total + (0.8 ** k) * s * distributed.world() / n.clamp_min(1)
             agree.append(float(a / n.clamp_min(1)))
         return total, agree
 

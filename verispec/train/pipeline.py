@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ class TrainConfig:
     ttt_steps: int = 6               # as deep as a dynamic tree drafts
     draft_vocab: int = 2048
     medusa_heads: int = 4
+    layout: str = "verispec"         # eagle: "eagle3" trains EAGLE-3's layer (exportable to vLLM / SGLang)
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
@@ -65,6 +66,8 @@ def _check(cfg: TrainConfig) -> None:
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.layout not in ("verispec", "eagle3"):
+        raise InvalidParameter(f"unknown layout '{cfg.layout}'; use verispec or eagle3")
     if cfg.feature_backend not in ("hf", "fast"):
         raise InvalidParameter(f"unknown feature backend '{cfg.feature_backend}'; use hf or fast")
     if cfg.seq_len < cfg.ttt_steps + 2:
@@ -93,8 +96,15 @@ def run(cfg: TrainConfig, log=print) -> dict:
     from verispec.train.loops import train_eagle, train_medusa
     from verispec.train.vocab import coverage, draft_vocab_for
 
+    from verispec.train import distributed
+    from verispec.train.data import read_jsonl
+
     _check(cfg)
     return_freed_memory()
+    cfg = replace(cfg, device=distributed.init(cfg.device))  # under torchrun: join the group (one GPU per rank)
+    rank, world = distributed.rank(), distributed.world()
+    if rank:
+        log = lambda m: None  # noqa: E731 - rank 0 speaks for all
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -107,9 +117,23 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     t0 = time.perf_counter()
     prompts = training_prompts(data_dir, cfg.prompts, seed=cfg.seed)
-    records = generate_answers(target, prompts, work / "answers.jsonl", max_prompt_tokens=cfg.max_prompt_tokens,
-                               max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, log=log, progress=cfg.progress,
-                               max_seconds=cfg.gen_minutes * 60 if cfg.gen_minutes is not None else None)
+    gen = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch,
+               log=log, progress=cfg.progress and rank == 0,
+               max_seconds=cfg.gen_minutes * 60 if cfg.gen_minutes is not None else None)
+    answers = work / "answers.jsonl"
+    if world > 1:  # rank r answers prompts r, r + W, ... into its own part; rank 0 appends the parts in rank order
+        have = {r["id"] for r in read_jsonl(answers)}
+        generate_answers(target, [p for p in prompts if p["id"] not in have][rank::world], work / f"answers.rank{rank}.jsonl", **gen)
+        distributed.barrier()
+        if rank == 0:
+            with answers.open("a") as f:
+                for r in range(world):
+                    part = work / f"answers.rank{r}.jsonl"
+                    f.writelines(json.dumps(x) + "\n" for x in read_jsonl(part) if x["id"] not in have)
+                    part.unlink()
+        distributed.barrier()
+        gen["max_seconds"] = 0  # what is left was left by the ranks' time budgets
+    records = generate_answers(target, prompts, answers, **gen)
     keep = {p["id"] for p in prompts}
     records, heldout = split_heldout([r for r in records if r["id"] in keep], cfg.heldout_share)
     timings["generate_s"] = round(time.perf_counter() - t0, 1)
@@ -119,8 +143,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
     t0 = time.perf_counter()
     L = int(target.model.config.num_hidden_layers)
     layers = sorted(set(default_feature_layers(L)) | {L})
-    paths = extract_features(target, records, work / "features", layers, progress=cfg.progress,
-                             backend=cfg.feature_backend)
+    paths = extract_features(target, records, work / "features", layers, progress=cfg.progress and rank == 0,
+                             backend=cfg.feature_backend, part=(rank, world))
+    distributed.barrier()  # every rank's shards are written
     if cfg.max_positions:
         paths = paths[: max(1, shards_within(paths, cfg.max_positions))]
         records = records[: sum(len(torch.load(p)["ids"]) for p in paths)]  # shards hold records in order
@@ -128,14 +153,18 @@ def run(cfg: TrainConfig, log=print) -> dict:
     timings["features_s"] = round(time.perf_counter() - t0, 1)
     log(f"features: {data.num_tokens} positions, layers {layers}")
 
+    if rank:
+        distributed.barrier()  # rank 0 writes the vocabulary file first; the others read it
     d2t, fingerprint = draft_vocab_for(work / f"vocab_{cfg.draft_vocab}.pt", records, cfg.draft_vocab, target.vocab_size,
                                        always=target.eos_token_ids)
+    if rank == 0:
+        distributed.barrier()
     cov = coverage(records, d2t)
     log(f"draft vocabulary: {d2t.numel()} tokens, {cov:.1%} of answer tokens")
 
     lm = target.model.get_output_embeddings().weight.detach().float().cpu()
     if cfg.kind == "eagle":
-        module = EagleHead(EagleHead.make_config(target, d2t.numel()))
+        module = EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
             module.lm_head.weight.copy_(lm[d2t])
@@ -146,7 +175,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module.d2t.copy_(d2t)
         module.init_lm_head(lm)
     t0 = time.perf_counter()
-    state = cfg.kind if not cfg.max_positions else f"{cfg.kind}-{cfg.max_positions}"
+    state = cfg.kind + ("-eagle3" if cfg.kind == "eagle" and cfg.layout == "eagle3" else "")  # another layer, another state
+    state = state if not cfg.max_positions else f"{state}-{cfg.max_positions}"
     common = dict(max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed,
                   device=cfg.device, log=log, progress=cfg.progress, autocast=cfg.train_precision)
     if cfg.kind == "eagle":
@@ -172,6 +202,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
         "steps": len(history), "train_seconds_total": train_seconds, "timings_this_run": timings,
         "final_loss": tail[-1]["loss"] if tail else None, "train_top1_by_step_last20": final_top1,
     }
+    if rank:  # rank 0 evaluates and saves the head
+        distributed.close()
+        return config
     # held-out figures, on prompts never trained on, with the head as it ships
     if cfg.eval_prompts > 0 or cfg.eval_bench > 0:
         t0 = time.perf_counter()
@@ -185,6 +218,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module.cpu()
     save_head(out, config, state)
     log(f"saved the {cfg.kind} head to {out}")
+    distributed.close()
     return config
 
 
