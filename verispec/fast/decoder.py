@@ -234,12 +234,19 @@ class FastDecoder:
             masks = {key: torch.zeros(m.shape, dtype=self.cache_dtype, device=m.device).masked_fill_(~m, float("-inf"))
                      for key, m in masks.items()}
         args = self._native_layers(layers, linear) if native and not compiled else None
-        if args is not None and canon is None and not capture:  # the whole stack in one native call
+        if args is not None and not capture:  # the whole stack in one native call
             keys, wins = sorted(tables), sorted(masks, key=str)
-            x = native_ext.module().layers(x, *zip(*args), kv, slots, [tables[k][0] for k in keys],
-                                       [tables[k][1] for k in keys], [masks[w] for w in wins],
-                                       [keys.index(k) for k in self.rope_keys], [wins.index(w) for w in self.windows],
-                                       *self._native_shape())
+            common = (x, *zip(*args), kv, slots, [tables[k][0] for k in keys], [tables[k][1] for k in keys],
+                      [masks[w] for w in wins], [keys.index(k) for k in self.rope_keys],
+                      [wins.index(w) for w in self.windows])
+            if canon is None:
+                x = native_ext.module().layers(*common, *self._native_shape())
+            else:
+                a = self.arch
+                order, tail_cols, groups, tail_past = canon.expanded(a.n_heads // a.n_kv_heads)
+                x = native_ext.module().layers_canonical(
+                    *common, order, tail_cols, [b for b, _ in groups], [r for _, r in groups], tail_past,
+                    canon.flat_slots(a.n_kv_heads, kv[0].shape[1]), *self._native_shape())
             layers = []
         for i, lw in enumerate(layers):
             cos, sin = tables[self.rope_keys[i]]

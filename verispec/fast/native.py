@@ -5,8 +5,10 @@ interpreter and binding overhead on top of the kernel (benchmarks/native_step.py
 saves). The C++ below issues THE SAME ATen operations in the same order with the same arguments as
 core.layer_step (rms_norm, the projection kernels of packed.py / quant.py, the rotary roll, index_copy_,
 scaled_dot_product_attention, silu), so it computes the same bits: core.layer_step stays the reference
-and tests/test_native.py checks bit equality against it, in exact mode too (there attention stays
-canonical.py's, in Python, between the two native halves `attn_in` and `attn_out`).
+and tests/test_native.py checks bit equality against it, in exact mode too (canonical.py's attention,
+its operations likewise issued from C++). A pass is one native call for all layers (`layers`, or
+`layers_canonical` in exact mode); a pass that captures hidden states calls `step` (or the halves
+`attn_in` / `attn_out` around canonical.attention) per layer.
 
 What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
 are packed oneDNN weights, int4 / int8 weight-only ones or plain ones (F.linear); anything else (Gemma 3,
@@ -125,6 +127,65 @@ at::Tensor layers(at::Tensor x, const std::vector<std::vector<at::Tensor>>& ws,
   return x;
 }
 
+// canonical.attention's operations: q [H, T, D], caches [KVH, S, D], bias [G*T, L]; the plan's tensors as
+// Canon.expanded(G) and Canon.flat_slots give them
+struct Canon {
+  std::optional<at::Tensor> order, tail_past;
+  at::Tensor tail_cols, flat;
+  std::vector<int64_t> cuts;
+  std::vector<at::Tensor> rows;
+};
+
+constexpr int64_t TAIL = 128;  // canonical.TAIL
+
+at::Tensor canon_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& bias, double scale, const Canon& c) {
+  int64_t H = q.size(0), T = q.size(1), D = q.size(2), L = bias.size(-1), kvh = k_cache.size(0), g = H / kvh;
+  at::Tensor qg = (q * scale).reshape({kvh, g * T, D});
+  at::Tensor s = at::bmm(qg, k_cache.slice(1, 0, L).transpose(1, 2));
+  if (c.order.has_value()) s = s.gather(-1, c.order->expand({kvh, g * T, L}));
+  at::Tensor p = at::softmax(s.add_(bias), -1);
+  std::optional<at::Tensor> head;
+  for (size_t i = 0; i < c.cuts.size(); ++i) {
+    int64_t b = c.cuts[i];
+    if (b == 0) continue;
+    at::Tensor part = at::bmm(p.slice(2, 0, b).contiguous(), v_cache.slice(1, 0, b));
+    if (!head.has_value())
+      head = c.cuts.size() == 1 ? part : at::where(c.rows[i], part, 0.0);
+    else
+      head = at::where(c.rows[i], part, *head);
+  }
+  at::Tensor pt = p.gather(-1, c.tail_cols.expand({kvh, g * T, TAIL}));
+  if (c.tail_past.has_value()) pt.masked_fill_(*c.tail_past, 0.0);
+  pt = pt.reshape({kvh, g, T, TAIL}).transpose(1, 2);
+  at::Tensor vt = v_cache.view({-1, D}).index_select(0, c.flat).reshape({kvh, T, TAIL, D});
+  at::Tensor tail = at::matmul(pt, vt).transpose(1, 2).reshape({kvh, g * T, D});
+  at::Tensor out = head.has_value() ? *head + tail : tail;
+  return out.reshape({H, T, D});
+}
+
+// every layer of an exact-mode pass in one call: canonical attention between the halves
+at::Tensor layers_canonical(at::Tensor x, const std::vector<std::vector<at::Tensor>>& ws,
+                            const std::vector<std::vector<int64_t>>& kinds,
+                            const std::vector<std::optional<at::Tensor>>& bqkv,
+                            const std::vector<std::optional<at::Tensor>>& bo, const std::vector<at::Tensor>& kv,
+                            const at::Tensor& slots, const std::vector<at::Tensor>& cos,
+                            const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& biases,
+                            const std::vector<int64_t>& table_of, const std::vector<int64_t>& mask_of,
+                            const std::optional<at::Tensor>& order, const at::Tensor& tail_cols,
+                            const std::vector<int64_t>& cuts, const std::vector<at::Tensor>& rows,
+                            const std::optional<at::Tensor>& tail_past, const at::Tensor& flat,
+                            int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
+  Canon c{order, tail_past, tail_cols, flat, cuts, rows};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    at::Tensor qh = attn_in(x, ws[i], kinds[i], bqkv[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]],
+                            H, KVH, hd, eps);
+    at::Tensor o = canon_attention(qh, kv[i].slice(0, 0, KVH), kv[i].slice(0, KVH), biases[mask_of[i]], scale, c);
+    x = attn_out(x, o, ws[i], kinds[i], bo[i], eps);
+  }
+  return x;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -132,6 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attn_out", &attn_out);
   m.def("step", &step);
   m.def("layers", &layers);
+  m.def("layers_canonical", &layers_canonical);
 }
 """
 

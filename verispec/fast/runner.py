@@ -121,7 +121,7 @@ class FastRunner:
         # pass, not in chunks of exact_bucket (two passes for the 16-node trees the bench uses)
         self.exact_max_rows = exact_max_rows
         self.compile = compile
-        self.native = native
+        self.native, self.wide = native, wide
         self.exact_setting = exact
         self.exact = True if exact is None else bool(exact)
         self.canonical = True  # exact mode's layout-independent attention (canonical.py); False: fused SDPA
@@ -300,7 +300,7 @@ class FastRunner:
             captured: list = []
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.kv, rows=rows,
                                       compiled=compiled, capture=self.feature_layers, captured=captured,
-                                      canon=canon, wide=not exact_shape, native=self.native)
+                                      canon=canon, wide=self.wide and not exact_shape, native=self.native)
             if self.feature_layers:
                 got = dict(captured)
                 feats.append(torch.cat([got[i][:take] for i in self.feature_layers], dim=-1))
