@@ -226,8 +226,10 @@ def main() -> None:
         llm = llamacpp(target, torch.get_num_threads()) if args.weights else None
         seen: dict[str, list[tuple]] = {name: [] for name in ["transformers generate()", *engines]}
         cpp_rounds: list[dict] = []
+        bws: list[float] = []  # copy bandwidth at each round's start: floors pair with the load of their round
         outputs: dict[str, list[int]] = {}
         for _ in range(args.rounds):
+            bws.append(copy_bandwidth())
             seen["transformers generate()"].append((hf_generate(), {}))
             if llm is not None and not isinstance(llm, str):
                 cpp_rounds.append(llamacpp_round(llm, ids, ctx, args))
@@ -253,12 +255,17 @@ def main() -> None:
             if name in engines and isinstance(engines[name].runner, FastRunner):
                 net = engines[name].runner.net
                 nbytes = net.streamed_bytes()
-                extra = {"weights": net.weights, "weight_bytes": nbytes, "floor_ms": nbytes / bw * 1e3}
+                rbw = statistics.median(bws)
+                extra = {"weights": net.weights, "weight_bytes": nbytes, "floor_ms": nbytes / rbw * 1e3}
+                n1 = min(args.positions)
+
+                def over_floor(key):  # per round against that round's bandwidth, then the median
+                    return statistics.median(g[1][key] / (nbytes / b) for g, b in zip(got, bws))
                 if fwd:
-                    extra["fwd1_over_floor"] = fwd[min(fwd)] / extra["floor_ms"]
+                    extra["fwd1_over_floor"] = over_floor(n1)
                 if loose:
                     extra["fwd_ms_not_exact"] = loose
-                    extra["fwd1_not_exact_over_floor"] = loose[min(loose)] / extra["floor_ms"]
+                    extra["fwd1_not_exact_over_floor"] = over_floor(-n1)
                 if name.startswith("ngram"):  # speculation must give plain decoding's tokens with the same weights
                     extra["equals_plain"] = outputs[name] == outputs[name.replace("ngram", "plain", 1)]
             report(name, tok_s, fwd, note=f"(first call {warm[name]:.1f} s)" if compiled else "", extra=extra)
@@ -271,8 +278,10 @@ def main() -> None:
         if args.weights and cpp_rounds:
             gguf = os.path.getsize(target.gguf_path)  # what its forward reads: about the whole file (tied head)
             fwd = {n: statistics.median(r[n] for r in cpp_rounds) * 1e3 for n in args.positions}
-            extra = {"weights": "the GGUF's own", "weight_bytes": gguf, "floor_ms": gguf / bw * 1e3,
-                     "fwd1_over_floor": fwd[min(fwd)] / (gguf / bw * 1e3), "status": "run"}
+            n1 = min(args.positions)
+            extra = {"weights": "the GGUF's own", "weight_bytes": gguf, "floor_ms": gguf / statistics.median(bws) * 1e3,
+                     "fwd1_over_floor": statistics.median(r[n1] / (gguf / b) for r, b in zip(cpp_rounds, bws)),
+                     "status": "run"}
             report("llama.cpp plain (same GGUF)", statistics.median(r["tok_s"] for r in cpp_rounds), fwd, extra=extra)
         elif args.weights:
             rows.append({"dtype": dtype, "config": "llama.cpp plain (same GGUF)", "status": llm})
@@ -280,7 +289,7 @@ def main() -> None:
         del target, model
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"copy_bandwidth": bw, "rows": rows, "command": shlex.join(["python", *sys.argv]),
+            json.dump({"copy_bandwidth": bw, "copy_bandwidth_rounds": bws, "rows": rows, "command": shlex.join(["python", *sys.argv]),
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _cpu()}, fh, indent=1)
 
 

@@ -118,3 +118,16 @@ def test_a_replaced_linear_runs_the_python_step(monkeypatch):
     monkeypatch.setattr(quant, "linear", lambda x, w, b=None: real(x, w, b))
     r = FastRunner(tiny_llama(layers=2, hidden=64).to(torch.bfloat16), capacity=64, weights="q4")
     assert r.net.linear is quant.linear and r.net._native_layers(r.net.layers, r.net.linear) is None
+
+
+def test_the_bf16_hybrid_of_cpus_without_bf16_instructions_runs_the_python_step(monkeypatch):
+    """packed.py's hybrid (AVX2-only CPUs: bf16 weights for one row, widened float32 ones for more) is not
+    a kind the C++ issues: those runners take the Python step, and float32 (packed) stays native."""
+    from verispec.fast import packed
+
+    real = packed.available
+    monkeypatch.setattr(packed, "available", lambda dtype, device: dtype != torch.bfloat16 and real(dtype, device))
+    r = FastRunner(tiny_llama(layers=2, hidden=64).to(torch.bfloat16), capacity=64)
+    assert r.net.linear is packed._hybrid_linear and r.net._native_layers(r.net.layers, r.net.linear) is None
+    r32 = FastRunner(tiny_llama(layers=2, hidden=64), capacity=64)
+    assert native.module() is None or r32.net._native_layers(r32.net.layers, r32.net.linear) is not None

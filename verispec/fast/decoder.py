@@ -52,7 +52,8 @@ class FastDecoder:
         memory of the dense weights again."""
         self.arch = arch
         self.dtype, self.device = embed.dtype, embed.device
-        pack, self.linear = packed.linear_for(embed.dtype, embed.device)
+        pack, dense_linear = packed.linear_for(embed.dtype, embed.device)
+        self.linear = dense_linear
         self.weights, self.weights_note = "bf16", None
         if weights not in quant.FORMATS:
             raise ValueError(f"weights must be one of {', '.join(quant.FORMATS)}, got {weights!r}")
@@ -67,7 +68,6 @@ class FastDecoder:
         # quantized formats: a dense copy of the same weights for passes of many rows (see `forward`)
         self.wide_rows: int | None = None
         self._dense: tuple | None = None  # (layers, lm head, linear, layer step) of that copy
-        dense_linear = packed.linear_for(embed.dtype, embed.device)[1]
         self._probe_shapes = tuple(tuple(layers[0][k].shape) for k in PROJECTIONS) + (tuple(lm_head.shape),)
         if self.weights == "bf16":
             self._probes = [(pack, self._probe_shapes)]  # (how the probe prepares a weight, its shapes)
