@@ -21,4 +21,7 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
     echo "note: install Debian's chromium and chromium-driver for the browser test (or set VERISPEC_SKIP_BROWSER=1)"
   fi
 fi
+# the fast path's native layer step (verispec/fast/native.py), built once here so that the first run does
+# not wait for the compiler; without a C++ compiler the Python step runs
+.venv/bin/python -c "from verispec.fast import native; print('fast path layer step:', native.status())"
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -95,16 +95,21 @@ def forward_cost(runner, context: list[int], n: int, repeat: int) -> float:
     return _timed(one, repeat)
 
 
-def llamacpp_eval(target, ctx: list[int], args) -> dict:
-    """llama.cpp's time for one eval of 1 new position after the context, on the same GGUF, where
-    llama-cpp-python is installed (not a project dependency)."""
+def llamacpp(target, threads: int):
+    """llama.cpp (llama-cpp-python, an optional extra: pip install -e .[llamacpp]) on the same GGUF, or why not."""
     try:
         from llama_cpp import Llama
     except ImportError:
-        return {"status": "not run (llama-cpp-python is not installed)"}
+        return "not run (llama-cpp-python is not installed: pip install -e .[llamacpp])"
     if target.gguf_path is None:
-        return {"status": "not run (the model has no GGUF file)"}
-    llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+        return "not run (the model has no GGUF file)"
+    return Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                 verbose=False)
+
+
+def llamacpp_round(llm, ids: list[int], ctx: list[int], args) -> dict:
+    """One round for llama.cpp, as for ours: greedy plain decoding of --tokens new tokens after `ids` (tok/s
+    over the whole generation, its prefill included) and one eval of n new positions after `ctx`."""
     out = {}
     for n in args.positions:
         times = []
@@ -114,8 +119,15 @@ def llamacpp_eval(target, ctx: list[int], args) -> dict:
             t = time.perf_counter()
             llm.eval(ctx[:n])
             times.append(time.perf_counter() - t)
-        out[f"eval{n}_ms"] = statistics.median(times) * 1e3
-    return {"status": "run", **out}
+        out[n] = statistics.median(times)
+    t = time.perf_counter()
+    got = []
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        got.append(tok)
+        if len(got) >= args.tokens:
+            break
+    out["tok_s"] = len(got) / (time.perf_counter() - t)
+    return out
 
 
 def main() -> None:
@@ -132,6 +144,8 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=None, choices=["bf16", "q8", "q4"],
                     help="compare these weights formats (bfloat16 exact plain decoding and n-gram) instead of the engine variants")
     ap.add_argument("--positions", nargs="+", type=int, default=[1, 16], help="new positions of the timed single forwards")
+    ap.add_argument("--python-step", action="store_true",
+                    help="with --weights: also each format on the Python layer step without the dense copy (fast/native.py off)")
     ap.add_argument("--chat", default=None, help="a chat message to decode (chat template) instead of the raw prompt")
     args = ap.parse_args()
 
@@ -187,6 +201,9 @@ def main() -> None:
             configs = [c for w in args.weights for c in ((f"plain, exact, weights {w}", "fast", {"exact": True, "weights": w}),
                                                         (f"ngram, exact, weights {w}", "fast", {"exact": True, "weights": w,
                                                                                                "method": "ngram"}))]
+            if args.python_step:  # the same with the Python layer step and no dense copy (before native.py)
+                configs += [(f"{name}, python step", backend, {**opts, "native": False})
+                            for name, backend, opts in configs]
         elif not args.no_compile:
             configs += [("engine fast, compiled, exact", "fast", {"exact": True, "compile": True}),
                         ("engine fast, compiled, not exact", "fast", {"exact": False, "compile": True})]
@@ -195,8 +212,9 @@ def main() -> None:
             with packing(opts.get("packed", True)):
                 target.weights = opts.get("weights", "bf16")
                 engine = build_engine(target, opts.get("method", "ar"), backend=backend,
-                                      **{k: v for k, v in opts.items() if k not in ("natural_rows", "packed", "weights", "method")})
+                                      **{k: v for k, v in opts.items() if k not in ("natural_rows", "packed", "weights", "method", "native")})
             if isinstance(engine.runner, FastRunner):
+                engine.runner.native = engine.runner.wide = opts.get("native", True)
                 engine.runner.exact_bucket = args.exact_bucket
                 engine.runner.natural_rows = opts.get("natural_rows", True)  # False: every layer runs 8 rows
             t0 = time.perf_counter()
@@ -205,10 +223,16 @@ def main() -> None:
             engines[name] = engine
         # every configuration once per round, rounds interleaved: the machine's speed drifts by tens of
         # percent over minutes, so each figure is the median over rounds measured side by side
+        llm = llamacpp(target, torch.get_num_threads()) if args.weights else None
         seen: dict[str, list[tuple]] = {name: [] for name in ["transformers generate()", *engines]}
+        cpp_rounds: list[dict] = []
+        bws: list[float] = []  # copy bandwidth at each round's start: floors pair with the load of their round
         outputs: dict[str, list[int]] = {}
         for _ in range(args.rounds):
+            bws.append(copy_bandwidth())
             seen["transformers generate()"].append((hf_generate(), {}))
+            if llm is not None and not isinstance(llm, str):
+                cpp_rounds.append(llamacpp_round(llm, ids, ctx, args))
             for name, backend, opts in configs:
                 engine = engines[name]
                 gen = engine.generate(ids, params)
@@ -216,32 +240,56 @@ def main() -> None:
                 if isinstance(runner, FastRunner):
                     runner.exact = bool(opts.get("exact"))
                 fwd = {n: forward_cost(runner, ctx, n, args.repeat) for n in args.positions} if "ngram" not in name else {}
+                if args.weights and fwd:  # and outside exact mode (fused attention, one native call per pass)
+                    runner.exact = False
+                    fwd.update({-n: forward_cost(runner, ctx, n, args.repeat) for n in args.positions})
+                    runner.exact = True
                 seen[name].append((gen.stats.new_tokens / gen.stats.total_time, fwd))
                 outputs[name] = gen.token_ids
         for name, got in seen.items():
             tok_s = statistics.median(g[0] for g in got)
             fwd = {n: statistics.median(g[1][n] for g in got) * 1e3 for n in (got[0][1] or {})}
+            loose = {-n: fwd.pop(n) for n in [n for n in fwd if n < 0]}  # not exact: keyed -n while measured
             compiled = name in warm and "compiled" in name
             extra = {}
             if name in engines and isinstance(engines[name].runner, FastRunner):
                 net = engines[name].runner.net
                 nbytes = net.streamed_bytes()
-                extra = {"weights": net.weights, "weight_bytes": nbytes, "floor_ms": nbytes / bw * 1e3}
+                rbw = statistics.median(bws)
+                extra = {"weights": net.weights, "weight_bytes": nbytes, "floor_ms": nbytes / rbw * 1e3}
+                n1 = min(args.positions)
+
+                def over_floor(key):  # per round against that round's bandwidth, then the median
+                    return statistics.median(g[1][key] / (nbytes / b) for g, b in zip(got, bws))
                 if fwd:
-                    extra["fwd1_over_floor"] = fwd[min(fwd)] / extra["floor_ms"]
+                    extra["fwd1_over_floor"] = over_floor(n1)
+                if loose:
+                    extra["fwd_ms_not_exact"] = loose
+                    extra["fwd1_not_exact_over_floor"] = over_floor(-n1)
                 if name.startswith("ngram"):  # speculation must give plain decoding's tokens with the same weights
                     extra["equals_plain"] = outputs[name] == outputs[name.replace("ngram", "plain", 1)]
             report(name, tok_s, fwd, note=f"(first call {warm[name]:.1f} s)" if compiled else "", extra=extra)
             if extra and fwd:
                 print(f"{'':34s} {net.weights}: {nbytes / 1e6:.0f} MB read per forward, floor {extra['floor_ms']:.1f} ms, "
                       f"{min(fwd)} pos = {extra['fwd1_over_floor']:.2f}x the floor")
-        if args.weights:
-            rows.append({"dtype": dtype, "config": "llama.cpp eval of the same GGUF", **llamacpp_eval(target, ctx, args)})
-            print(f"{'llama.cpp eval':34s} {rows[-1]}")
+                if loose:
+                    print(f"{'':34s} not exact: " + ", ".join(f"{n} pos {ms:6.1f} ms" for n, ms in loose.items())
+                          + f" ({extra['fwd1_not_exact_over_floor']:.2f}x the floor)")
+        if args.weights and cpp_rounds:
+            gguf = os.path.getsize(target.gguf_path)  # what its forward reads: about the whole file (tied head)
+            fwd = {n: statistics.median(r[n] for r in cpp_rounds) * 1e3 for n in args.positions}
+            n1 = min(args.positions)
+            extra = {"weights": "the GGUF's own", "weight_bytes": gguf, "floor_ms": gguf / statistics.median(bws) * 1e3,
+                     "fwd1_over_floor": statistics.median(r[n1] / (gguf / b) for r, b in zip(cpp_rounds, bws)),
+                     "status": "run"}
+            report("llama.cpp plain (same GGUF)", statistics.median(r["tok_s"] for r in cpp_rounds), fwd, extra=extra)
+        elif args.weights:
+            rows.append({"dtype": dtype, "config": "llama.cpp plain (same GGUF)", "status": llm})
+            print(f"{'llama.cpp plain (same GGUF)':34s} {llm}")
         del target, model
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"copy_bandwidth": bw, "rows": rows, "command": shlex.join(["python", *sys.argv]),
+            json.dump({"copy_bandwidth": bw, "copy_bandwidth_rounds": bws, "rows": rows, "command": shlex.join(["python", *sys.argv]),
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _cpu()}, fh, indent=1)
 
 

@@ -5,6 +5,9 @@ kernels, and greedy speculation bit-identical to plain decoding under q8 and q4 
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +15,7 @@ from conftest import loaded, tiny_llama
 
 from verispec.api import build_engine
 from verispec.fast import FastRunner, quant
-from verispec.fast.core import projection_names
+from verispec.fast.core import layer_step, projection_names
 from verispec.models.gguf_weights import parse_q4, parse_q4_k, rope_rows
 from verispec.types import SamplingParams
 
@@ -244,3 +247,55 @@ def test_smollm2_q4_runs_the_files_own_blocks():
     params = SamplingParams(max_new_tokens=24)
     plain = build_engine(target, "ar", backend="fast", runner=runner).generate(ids, params).token_ids
     assert build_engine(target, "ngram", backend="fast", runner=runner).generate(ids, params).token_ids == plain
+
+
+@needs
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_wide_passes_run_a_dense_copy_of_the_same_weights_outside_exact_mode(fmt):
+    """Passes of quant.WIDE_ROWS rows or more that may round otherwise than plain decoding (prefill, passes
+    outside exact mode) run the dense copy: the same weights (their dequantization in bfloat16), the bits of
+    the dense path on a model holding those weights; exact-mode passes never run it."""
+    model = tiny_llama(layers=3, hidden=64).to(torch.bfloat16)
+    ids = torch.randint(0, 32, (60,), generator=torch.Generator().manual_seed(3))
+    wide_rows = quant.WIDE_ROWS[fmt]
+    n = wide_rows + 4
+    runners = {name: FastRunner(model, capacity=128, exact=False, weights=fmt, **opts)
+               for name, opts in (("wide", {}), ("narrow", {"wide": False}))}
+    wide_net = runners["wide"].net
+    assert wide_net.wide_rows == wide_rows and runners["narrow"].net.wide_rows is None
+    calls = []
+    dense_layers, head, lin, step = wide_net._dense
+    spy = lambda x, w, b=None: calls.append(x.shape[0]) or lin(x, w, b)  # noqa: E731
+    wide_net._dense = (dense_layers, head, spy, functools.partial(layer_step, a=wide_net.arch, linear=spy))
+    out = {}
+    for name, r in runners.items():
+        r.forward(ids[:20], last_only=True)
+        out[name] = r.forward(ids[20:20 + n])
+    assert set(calls) == {20, 1, n}  # the prefill of 20 (its last row's logits) and the pass of n rows
+    # the reference: the dense path of a model whose weights are the quantized ones' dequantization
+    same = copy.deepcopy(model)
+    net = runners["narrow"].net
+    for i, layer in enumerate(same.model.layers):
+        parts = {"wqkv": (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                 "wo": (layer.self_attn.o_proj,), "wgu": (layer.mlp.gate_proj, layer.mlp.up_proj),
+                 "wdown": (layer.mlp.down_proj,)}
+        for key, mods in parts.items():
+            fused = torch.cat([m.weight.detach() for m in mods])
+            w = quant.dequantized(fused, net.layers[i][key]).to(torch.bfloat16)
+            for m, piece in zip(mods, w.split([m.out_features for m in mods])):
+                m.weight = torch.nn.Parameter(piece.clone(), requires_grad=False)
+    head = quant.dequantized(model.lm_head.weight.detach(), net.lm_head).to(torch.bfloat16)
+    same.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+    ref = FastRunner(same, capacity=128, exact=False)
+    ref.forward(ids[:20], last_only=True)
+    assert torch.equal(out["wide"], ref.forward(ids[20:20 + n]))
+    assert not torch.equal(out["wide"], out["narrow"])  # other kernels ...
+    torch.testing.assert_close(out["wide"], out["narrow"], atol=0.1, rtol=0.05)  # ... on the same weights
+    calls.clear()
+    assert runners["wide"].forward(ids[20 + n:20 + n + wide_rows - 1]).shape[0] == wide_rows - 1 and not calls
+    exact = FastRunner(model, capacity=128, exact=True, weights=fmt)
+    exact.net._dense = wide_net._dense  # shared module: the same spy
+    exact.forward(ids[:20], last_only=True)
+    calls.clear()
+    exact.forward(ids[20:20 + n])
+    assert not calls  # exact mode: the quantized kernels at every row count

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.fast import canonical, packed, quant, row_invariance
+from verispec.fast import native as native_ext
 from verispec.fast.core import Arch, layer_step, rms_norm, rope_tables
 
 PROJECTIONS = ("wqkv", "wo", "wgu", "wdown")
@@ -40,14 +41,19 @@ class FastDecoder:
                  ropes: dict[str, tuple[torch.Tensor, float]], embed_scale: float | None = None,
                  final_softcap: float | None = None, max_positions: int = 2048, weights: str = "bf16",
                  names: list[dict[str, tuple[str, ...]]] | None = None, lm_head_name: str = "lm_head.weight",
-                 weight_source: Callable | None = None):
+                 weight_source: Callable | None = None, wide: bool = True):
         """weights: "bf16" (the model's dense weights, packed where packed.py can), "q8" or "q4" (quant.py;
         falls back to "bf16" where quant.available says no, see `weights_note`). names: per layer, the
         transformers parameter names each projection is made of (wqkv: q, k, v); weight_source(name) ->
-        quant.Groups, a float32 tensor or None (the file's own weights; None: the model's)."""
+        quant.Groups, a float32 tensor or None (the file's own weights; None: the model's). wide: quantized
+        formats keep a dense copy of their weights (dequantized, bfloat16, packed) for passes of at least
+        quant.WIDE_ROWS rows that may round otherwise than plain decoding (prefill, passes outside exact
+        mode): the weight-only kernels' cost grows with the rows, the dense GEMM's hardly. Costs the
+        memory of the dense weights again."""
         self.arch = arch
         self.dtype, self.device = embed.dtype, embed.device
-        pack, self.linear = packed.linear_for(embed.dtype, embed.device)
+        pack, dense_linear = packed.linear_for(embed.dtype, embed.device)
+        self.linear = dense_linear
         self.weights, self.weights_note = "bf16", None
         if weights not in quant.FORMATS:
             raise ValueError(f"weights must be one of {', '.join(quant.FORMATS)}, got {weights!r}")
@@ -59,6 +65,9 @@ class FastDecoder:
                 log.warning("--weights %s unavailable: %s; running the dense %s weights", weights, self.weights_note,
                             str(embed.dtype).replace("torch.", ""))
         self.packed = self.linear is not F.linear
+        # quantized formats: a dense copy of the same weights for passes of many rows (see `forward`)
+        self.wide_rows: int | None = None
+        self._dense: tuple | None = None  # (layers, lm head, linear, layer step) of that copy
         self._probe_shapes = tuple(tuple(layers[0][k].shape) for k in PROJECTIONS) + (tuple(lm_head.shape),)
         if self.weights == "bf16":
             self._probes = [(pack, self._probe_shapes)]  # (how the probe prepares a weight, its shapes)
@@ -68,9 +77,18 @@ class FastDecoder:
             # shape -> the formats its weights got (layers may differ: a file's mixed tensor types); the
             # row-invariance probe runs every (shape, format) pair the forward runs
             self._kinds: dict[tuple, set[str]] = {}
-            layers = [{k: self._quantize(t, names[i][k] if names else (), weight_source) if k in PROJECTIONS else t
-                       for k, t in lw.items()} for i, lw in enumerate(layers)]
-            lm_head = self._quantize(lm_head, (lm_head_name,), weight_source)
+            self.wide_rows = quant.WIDE_ROWS.get(self.weights) if wide else None
+            dense_layers = []
+            for i, lw in enumerate(layers):
+                got = {k: self._quantize(t, names[i][k] if names else (), weight_source)
+                       for k, t in lw.items() if k in PROJECTIONS}
+                layers[i] = {**lw, **{k: q for k, (q, _) in got.items()}}
+                if self.wide_rows:
+                    dense_layers.append({**lw, **{k: pack(d.to(self.dtype)) for k, (_, d) in got.items()}})
+            lm_head, dense_head = self._quantize(lm_head, (lm_head_name,), weight_source)
+            if self.wide_rows:
+                self._dense = (dense_layers, pack(dense_head.to(self.dtype)), dense_linear,
+                               functools.partial(layer_step, a=arch, linear=dense_linear))
             formats = sorted(set().union(*self._kinds.values()))
             self._probes = [(functools.partial(quant.prepare, fmt=f, dtype=embed.dtype),
                              tuple(s for s, ks in self._kinds.items() if f in ks)) for f in formats]
@@ -85,11 +103,13 @@ class FastDecoder:
         self.cache_dtype = torch.float32 if cpu_bf16 else self.dtype
         self._step = functools.partial(layer_step, a=arch, linear=self.linear)
         self._compiled = None
+        self._native_args: dict[int, list | None] = {}  # id(layers) -> native.layer_args of each layer, or None
 
     def _quantize(self, dense: torch.Tensor, names: tuple[str, ...], source: Callable | None):
         """A projection (the concatenation of the weights `names`) in self.weights' format, from the
         source's 4-bit groups where it has them for every part, else from its float32 weights, else from
-        the model's. A dense weight from a file's source had no 4-bit blocks: it runs as int8 even in q4."""
+        the model's. A dense weight from a file's source had no 4-bit blocks: it runs as int8 even in q4.
+        -> (the quantized weight, the float32 weight it multiplies by)."""
         parts = [source(n) for n in names] if source is not None and names else []
         if parts and all(isinstance(p, quant.Groups) for p in parts):
             src, fmt = quant.Groups.cat(parts), self.weights
@@ -100,7 +120,7 @@ class FastDecoder:
             src, fmt = dense, self.weights
         q = quant.prepare(src, fmt, self.dtype)
         self._kinds.setdefault(tuple(dense.shape), set()).add("q4" if isinstance(q, quant.Int4) else "q8")
-        return q
+        return q, quant.dequantized(src, q) if self.wide_rows else None
 
     def streamed_bytes(self) -> int:
         """Bytes of weights one forward reads whole: the projections, norms and LM head in the format they
@@ -141,6 +161,28 @@ class FastDecoder:
             _ROW_FLOORS[key] = None if lin is None or att is None else max(lin, att)
         return _ROW_FLOORS[key]
 
+    def _native_layers(self, layers: list[dict], linear: Callable) -> list | None:
+        """native.layer_args of every layer (the quantized weights or their dense copy), None where the
+        extension is not built or does not cover a layer."""
+        if id(layers) not in self._native_args:
+            args = [native_ext.layer_args(self.arch, linear, lw) for lw in layers] if native_ext.module() else [None]
+            self._native_args[id(layers)] = None if None in args else args
+        return self._native_args[id(layers)]
+
+    def _native_shape(self) -> tuple:
+        a = self.arch
+        return a.n_heads, a.n_kv_heads, a.head_dim, a.eps, a.scale
+
+    def _native_step(self, x, args, kv, slots, cos, sin, mask, canon) -> torch.Tensor:
+        """One layer natively: layer_step's operations; with a canonical plan, attention between the halves."""
+        a, mod = self.arch, native_ext.module()
+        w, kinds, bqkv, bo = args
+        if canon is None:
+            return mod.step(x, w, kinds, bqkv, bo, kv, slots, cos, sin, mask, *self._native_shape())
+        qh = mod.attn_in(x, w, kinds, bqkv, kv, slots, cos, sin, a.n_heads, a.n_kv_heads, a.head_dim, a.eps)
+        o = canonical.attention(qh, kv[:a.n_kv_heads], kv[a.n_kv_heads:], mask, a.scale, canon)
+        return mod.attn_out(x, o, w, kinds, bo, a.eps)
+
     def compiled_step(self):
         """The layer step under torch.compile (one graph per token bucket, shared by all layers)."""
         if self._compiled is None:
@@ -156,7 +198,7 @@ class FastDecoder:
                 slot_pos: torch.Tensor, kv: list[torch.Tensor],
                 rows: torch.Tensor | slice | None = None, compiled: bool = False,
                 capture: tuple[int, ...] | None = None, captured: list | None = None,
-                canon=None) -> torch.Tensor:
+                canon=None, wide: bool = False, native: bool = False) -> torch.Tensor:
         """ids/pos/slots [T], mask [T, L] (causal or tree, before sliding windows), slot_pos [S] the
         position id held by each cache slot (already updated for `slots`), kv the caches of new_cache ->
         logits [rows, V] float32.
@@ -164,8 +206,15 @@ class FastDecoder:
         capture: hidden-state indices (transformers' numbering: i = output of layer i - 1, n_layers = the
         final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features).
         canon: a canonical.Canon plan (eager exact mode); `mask` is then over canonical columns, where
-        column c holds position c."""
+        column c holds position c.
+        wide: the pass may run other kernels than plain decoding's (prefill, passes outside exact mode): with
+        quantized weights, T >= wide_rows then runs their dense copy (eager only).
+        native: eager passes run the layers through native.py's C++ step where it is built and covers
+        this model (the same operations, so the same bits as layer_step)."""
         step = self.compiled_step() if compiled else self._step
+        layers, lm_head, linear = self.layers, self.lm_head, self.linear
+        if wide and not compiled and self._dense is not None and ids.shape[0] >= self.wide_rows:
+            layers, lm_head, linear, step = self._dense
         if compiled:  # the attended length grows in kv blocks: one graph for every length
             torch._dynamo.maybe_mark_dynamic(mask, 1)  # "maybe": L may equal the whole allocation
         x = F.embedding(ids, self.embed)
@@ -184,9 +233,27 @@ class FastDecoder:
         else:  # additive, once per pass: a boolean mask is converted inside every layer's attention call
             masks = {key: torch.zeros(m.shape, dtype=self.cache_dtype, device=m.device).masked_fill_(~m, float("-inf"))
                      for key, m in masks.items()}
-        for i, lw in enumerate(self.layers):
+        args = self._native_layers(layers, linear) if native and not compiled else None
+        if args is not None and not capture:  # the whole stack in one native call
+            keys, wins = sorted(tables), sorted(masks, key=str)
+            common = (x, *zip(*args), kv, slots, [tables[k][0] for k in keys], [tables[k][1] for k in keys],
+                      [masks[w] for w in wins], [keys.index(k) for k in self.rope_keys],
+                      [wins.index(w) for w in self.windows])
+            if canon is None:
+                x = native_ext.module().layers(*common, *self._native_shape())
+            else:
+                a = self.arch
+                order, tail_cols, groups, tail_past = canon.expanded(a.n_heads // a.n_kv_heads)
+                x = native_ext.module().layers_canonical(
+                    *common, order, tail_cols, [b for b, _ in groups], [r for _, r in groups], tail_past,
+                    canon.flat_slots(a.n_kv_heads, kv[0].shape[1]), *self._native_shape())
+            layers = []
+        for i, lw in enumerate(layers):
             cos, sin = tables[self.rope_keys[i]]
-            x = step(x, lw, kv[i], slots, cos, sin, masks[self.windows[i]], canon=canon)
+            if args is None:
+                x = step(x, lw, kv[i], slots, cos, sin, masks[self.windows[i]], canon=canon)
+            else:
+                x = self._native_step(x, args[i], kv[i], slots, cos, sin, masks[self.windows[i]], canon)
             if capture and i + 1 in capture and i + 1 < len(self.layers):
                 captured.append((i + 1, x))
         if capture and len(self.layers) in capture:
@@ -194,7 +261,7 @@ class FastDecoder:
         if rows is not None:
             x = x[rows]
         x = rms_norm(x, self.final_norm, self.arch.eps, self.arch.gemma_norm)
-        logits = self.linear(x, self.lm_head).float()
+        logits = linear(x, lm_head).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

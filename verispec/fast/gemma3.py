@@ -33,7 +33,7 @@ def unsupported_reason(model) -> str | None:
 class FastGemma3(FastDecoder):
     family = "gemma3"
 
-    def __init__(self, model, weights: str = "bf16", weight_source=None):
+    def __init__(self, model, weights: str = "bf16", weight_source=None, wide: bool = True):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -66,4 +66,4 @@ class FastGemma3(FastDecoder):
                          embed_scale=float(cfg.hidden_size) ** 0.5,
                          final_softcap=getattr(cfg, "final_logit_softcapping", None),
                          max_positions=int(cfg.max_position_embeddings), weights=weights, names=names,
-                         weight_source=weight_source)
+                         weight_source=weight_source, wide=wide)

@@ -45,7 +45,7 @@ def _windows(cfg) -> list[int | None]:
 class FastLlama(FastDecoder):
     family = "llama"
 
-    def __init__(self, model, weights: str = "bf16", weight_source=None):
+    def __init__(self, model, weights: str = "bf16", weight_source=None, wide: bool = True):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -77,4 +77,4 @@ class FastLlama(FastDecoder):
                          model.lm_head.weight.detach(), windows=_windows(cfg),
                          rope_keys=["rope"] * len(layers), ropes={"rope": rope_of(base.rotary_emb)},
                          max_positions=int(cfg.max_position_embeddings), weights=weights, names=names,
-                         weight_source=weight_source)
+                         weight_source=weight_source, wide=wide)

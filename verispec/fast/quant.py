@@ -124,6 +124,13 @@ def prepare(src: torch.Tensor | Groups, fmt: str, dtype: torch.dtype) -> Int4 | 
     return to_int8(src, dtype)
 
 
+def dequantized(src: torch.Tensor | Groups, w: Int4 | Int8) -> torch.Tensor:
+    """The float32 [N, K] weight `w` multiplies by, where `w` = prepare(src, ...)."""
+    if isinstance(w, Int8):
+        return effective(w)
+    return effective(w, src if isinstance(src, Groups) else requantize_groups(src))
+
+
 def linear(x: torch.Tensor, w: Int4 | Int8, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] on the weight-only kernel of w's format."""
     if isinstance(w, Int4):
@@ -168,6 +175,16 @@ def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_
         return "bf16"
     return DEFAULT
 
+
+# Passes of at least this many rows run a dense copy of the quantized weights (their dequantization rounded
+# to bfloat16, packed as the bf16 format packs its weights), where the dense GEMM costs less than the
+# weight-only kernel, whose cost grows about linearly with the rows (it dequantizes every weight again for
+# each small block of rows) while the dense one stays flat to 32 rows; chosen where the formats' forwards
+# cross over the dense one's, side by side (results/cpu/fast_decode_weights_amx_1thread.json: q4 below bf16
+# at 4 positions, even at 8; q8 below at 4, above at 8); benchmarks/wide_rows.py measures the crossover
+# directly. Only passes whose rows may round otherwise than plain decoding's run it: prefill, and every
+# pass outside exact mode (decoder.py).
+WIDE_ROWS = {"q8": 6, "q4": 8}
 
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
 # (results/cpu/fast_decode_weights_*.json): the int4 and int8 kernels cost time per row (a 16-position

@@ -48,7 +48,7 @@ from verispec.fast import canonical
 
 def build_fast_model(model, **weight_options):
     """The fast family module for a loaded transformers model, or UnsupportedModel saying why not.
-    weight_options: weights ("bf16", "q8", "q4") and weight_source (see FastDecoder)."""
+    weight_options: weights ("bf16", "q8", "q4"), weight_source and wide (see FastDecoder)."""
     from verispec.fast import gemma3, llama
 
     for mod, cls in ((llama, "FastLlama"), (gemma3, "FastGemma3")):
@@ -70,18 +70,18 @@ _SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDic
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_fast_model(model, weights: str = "bf16", weight_source=None):
+def shared_fast_model(model, weights: str = "bf16", weight_source=None, wide: bool = True):
     """build_fast_model(model, ...), built once per model and setting and shared by its runners."""
     from verispec.fast import packed
 
     p = next(model.parameters())
     source = getattr(weight_source, "__self__", weight_source)  # a bound method is new on every access
     version = sum(t._version for t in model.parameters())
-    key = (weights, id(source) if source is not None else None, packed.linear_for(p.dtype, p.device), version)
+    key = (weights, id(source) if source is not None else None, wide, packed.linear_for(p.dtype, p.device), version)
     with _SHARED_LOCK:
         built = {k: v for k, v in _SHARED.get(model, {}).items() if k[-1] == version}  # stale ones go
         if key not in built:
-            built[key] = build_fast_model(model, weights=weights, weight_source=weight_source)
+            built[key] = build_fast_model(model, weights=weights, weight_source=weight_source, wide=wide)
         _SHARED[model] = built
         return built[key]
 
@@ -94,17 +94,22 @@ class FastRunner:
     def __init__(self, model, capacity: int | None = None, exact: bool | None = None, exact_bucket: int = 8,
                  exact_max_rows: int = 32,
                  compile: bool = False, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                 prefill_chunk: int = 256, kv_block: int = 512, weights: str | None = None, weight_source=None):
+                 prefill_chunk: int = 256, kv_block: int = 512, weights: str | None = None, weight_source=None,
+                 wide: bool = True, native: bool = True):
         """model: a loaded transformers causal LM of a supported family (its weights are shared).
         capacity: the most positions a sequence may hold (default: min(max positions, 4096)).
         exact: True / False, or None = on for greedy and off for sampling (set by `prepare`).
         weights: "bf16" (dense), "q8", "q4" (fast/quant.py), or None / "auto" (quant.resolve);
-        weight_source: name -> a file's own weights (models/gguf_weights.py), None: the model's."""
+        weight_source: name -> a file's own weights (models/gguf_weights.py), None: the model's.
+        wide: quantized weights keep a dense copy for prefill and for passes outside exact mode of
+        quant.WIDE_ROWS rows or more (FastDecoder); False saves its memory.
+        native: eager passes run the layers through native.py's C++ step where it is built (the same
+        operations as core.layer_step, so the same bits); False: the Python step."""
         from verispec.fast import quant
 
         p = next(model.parameters())
         fmt = quant.resolve(weights, p.dtype, p.device, weight_source is not None)
-        self.net = shared_fast_model(model, weights=fmt, weight_source=weight_source)
+        self.net = shared_fast_model(model, weights=fmt, weight_source=weight_source, wide=wide)
         if exact_bucket < 1 or exact_max_rows < 1 or any(b < 1 for b in buckets):
             raise ValueError("buckets must be positive")
         if kv_block % 16:  # whole SIMD vectors, so reductions over L keep their association as L grows
@@ -116,6 +121,7 @@ class FastRunner:
         # pass, not in chunks of exact_bucket (two passes for the 16-node trees the bench uses)
         self.exact_max_rows = exact_max_rows
         self.compile = compile
+        self.native, self.wide = native, wide
         self.exact_setting = exact
         self.exact = True if exact is None else bool(exact)
         self.canonical = True  # exact mode's layout-independent attention (canonical.py); False: fused SDPA
@@ -294,7 +300,7 @@ class FastRunner:
             captured: list = []
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.kv, rows=rows,
                                       compiled=compiled, capture=self.feature_layers, captured=captured,
-                                      canon=canon)
+                                      canon=canon, wide=self.wide and not exact_shape, native=self.native)
             if self.feature_layers:
                 got = dict(captured)
                 feats.append(torch.cat([got[i][:take] for i in self.feature_layers], dim=-1))

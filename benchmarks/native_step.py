@@ -1,0 +1,84 @@
+"""What the native layer step (verispec/fast/native.py) saves: one forward over n new positions after a
+200-token context, Python step against native step, per weights format, exact mode and not, side by
+side in rounds (medians), each against the floor of its format's weight bytes over the copy bandwidth
+measured at the start of the same round.
+
+    python benchmarks/native_step.py --threads 1 --json results/cpu/native_step_amx_1thread.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", nargs="+", default=["bf16", "q4"])
+    ap.add_argument("--positions", nargs="+", type=int, default=[1, 8, 16])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from verispec.bench.harness import environment
+    from verispec.bench.roofline import copy_bandwidth
+    from verispec.fast import FastRunner, native
+    from verispec.models import load_model
+
+    print("native step:", native.status())
+    target = load_model(args.model, dtype="bfloat16")
+    ids = target.encode(prompt="The history of the printing press begins in the fifteenth century, when")
+    ctx = (ids * 200)[:200]
+    runners = {}
+    for fmt in args.weights:
+        for exact in (True, False):
+            for use in (False, True):
+                r = FastRunner(target.model, exact=exact, weights=fmt, weight_source=target.weight_source, native=use)
+                r.forward(ctx, last_only=True)
+                runners[(fmt, exact, use)] = r
+    seen = {k: [] for k in runners}
+    bws = []
+    for _ in range(args.rounds):
+        bws.append(copy_bandwidth(torch.device("cpu"))["gb_per_s"] * 1e9)
+        for key, r in runners.items():
+            got = {}
+            for n in args.positions:
+                r.forward(ctx[:n])
+                r.crop(200)
+                ts = []
+                for _ in range(args.repeat):
+                    t = time.perf_counter()
+                    r.forward(ctx[:n])
+                    r.crop(200)
+                    ts.append(time.perf_counter() - t)
+                got[n] = statistics.median(ts)
+            seen[key].append(got)
+    rows = []
+    n1 = min(args.positions)
+    print(f"ms per forward, {torch.get_num_threads()} thread(s), copy bandwidth {statistics.median(bws) / 1e9:.1f} GB/s (median of rounds)")
+    for (fmt, exact, use), got in seen.items():
+        nbytes = runners[(fmt, exact, use)].net.streamed_bytes()
+        ms = {n: statistics.median(g[n] for g in got) * 1e3 for n in args.positions}
+        over = statistics.median(g[n1] / (nbytes / b) for g, b in zip(got, bws))
+        rows.append({"weights": fmt, "exact": exact, "step": "native" if use else "python", "ms": ms,
+                     "weight_bytes": nbytes, "fwd1_over_floor": over})
+        print(f"{fmt:5s} {'exact' if exact else 'not exact':9s} {'native' if use else 'python':6s} "
+              + "  ".join(f"{n} pos {v:7.1f}" for n, v in ms.items()) + f"  | {n1} pos = {over:.2f}x the floor")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"command": shlex.join(["python", *sys.argv]), "environment": environment(), "rows": rows,
+                       "copy_bandwidth_rounds": bws, "native": native.status()}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Where a quantized format's passes should switch to the dense copy of its weights (quant.WIDE_ROWS).
+
+For each format, one forward over n new positions after a 200-token context, outside exact mode, on the
+weight-only kernels (wide=False) and on the dense packed bf16 weights (what the dense copy runs), side by
+side in rounds (medians), plus a 256-token prefill with and without the dense copy. The smallest n from
+which the dense forward is the faster is printed per format.
+
+    python benchmarks/wide_rows.py --threads 1 --json results/cpu/wide_rows_amx_1thread.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--formats", nargs="+", default=["q4", "q8"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 6, 8, 12, 16, 32])
+    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from verispec.bench.harness import environment
+    from verispec.fast import FastRunner
+    from verispec.models import load_model
+
+    target = load_model(args.model, dtype="bfloat16")
+    ids = target.encode(prompt="The history of the printing press begins in the fifteenth century, when")
+    ctx = (ids * 400)[:max(200, args.prefill)]
+    runners = {"bf16": FastRunner(target.model, exact=False, weights="bf16")}
+    for fmt in args.formats:
+        runners[fmt] = FastRunner(target.model, exact=False, weights=fmt, weight_source=target.weight_source, wide=False)
+        runners[f"{fmt}+dense copy"] = FastRunner(target.model, exact=False, weights=fmt,
+                                                  weight_source=target.weight_source)
+    seen: dict[str, list[dict]] = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, r in runners.items():
+            got = {}
+            r.reset()
+            got["prefill_ms"] = timed(lambda: (r.reset(), r.forward(ctx[:args.prefill], last_only=True)), 1) * 1e3
+            r.reset()
+            r.forward(ctx[:200], last_only=True)
+            for n in args.rows:
+                got[n] = timed(lambda: (r.forward(ctx[:n]), r.crop(200)), args.repeat) * 1e3
+            seen[name].append(got)
+    table = {name: {k: statistics.median(g[k] for g in got) for k in got[0]} for name, got in seen.items()}
+    print(f"ms per forward over n new positions (not exact), {torch.get_num_threads()} thread(s)")
+    print(f"{'':16s}" + "".join(f"{n:>8d}" for n in args.rows) + f"{'prefill ' + str(args.prefill):>14s}")
+    for name, t in table.items():
+        print(f"{name:16s}" + "".join(f"{t[n]:8.1f}" for n in args.rows) + f"{t['prefill_ms']:14.1f}")
+    crossover = {fmt: next((n for n in args.rows if table["bf16"][n] <= table[fmt][n]), None) for fmt in args.formats}
+    print("dense copy faster from n =", crossover)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"command": shlex.join(["python", *sys.argv]), "environment": environment(), "ms": table,
+                       "crossover_rows": crossover, "rounds": args.rounds}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

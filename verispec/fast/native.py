@@ -1,0 +1,261 @@
+"""The layer step as one native call: core.layer_step's ATen operations issued from C++, not from Python.
+
+Why. A decode step of a small model is a few hundred small operations; from Python each costs its
+interpreter and binding overhead on top of the kernel (benchmarks/native_step.py measures what this
+saves). The C++ below issues THE SAME ATen operations in the same order with the same arguments as
+core.layer_step (rms_norm, the projection kernels of packed.py / quant.py, the rotary roll, index_copy_,
+scaled_dot_product_attention, silu), so it computes the same bits: core.layer_step stays the reference
+and tests/test_native.py checks bit equality against it, in exact mode too (canonical.py's attention,
+its operations likewise issued from C++). A pass is one native call for all layers (`layers`, or
+`layers_canonical` in exact mode); a pass that captures hidden states calls `step` (or the halves
+`attn_in` / `attn_out` around canonical.attention) per layer.
+
+What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
+are packed oneDNN weights, int4 / int8 weight-only ones or plain ones (F.linear); anything else (Gemma 3,
+Qwen3, packed.py's bf16 hybrid of AVX2 CPUs) runs core.layer_step. Built on first use with
+torch.utils.cpp_extension (a C++ compiler is needed; setup.sh builds it once); where the build fails
+or VERISPEC_NATIVE=0 the Python step runs, and `status()` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from verispec.fast import packed, quant
+
+log = logging.getLogger(__name__)
+
+# projection kinds (the C++ dispatches on them): how packed.py / quant.py store and apply a weight
+PACKED, INT4, INT8, PLAIN = 0, 1, 2, 3
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace {
+
+constexpr int64_t PACKED = 0, INT4 = 1, INT8 = 2, PLAIN = 3;
+constexpr int64_t MIN_ROWS = 4;   // packed.MIN_ROWS
+constexpr int64_t GROUP = 32;     // quant.GROUP
+
+at::Tensor raw_packed(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, b, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                                 std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// packed._packed_linear, quant.linear, F.linear
+at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w0, const at::Tensor& w1,
+                  const std::optional<at::Tensor>& b) {
+  if (kind == PACKED) {
+    int64_t m = x.size(0);
+    if (m >= MIN_ROWS) return raw_packed(x, w0, b);
+    return raw_packed(at::constant_pad_nd(x, {0, 0, 0, MIN_ROWS - m}, 0), w0, b).slice(0, 0, m);
+  }
+  if (kind == PLAIN) return at::linear(x, w0, b);
+  at::Tensor y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(x, w0, GROUP, w1) : at::_weight_int8pack_mm(x, w0, w1);
+  return b.has_value() ? y + *b : y;
+}
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return w * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
+}
+
+// w: ln_attn, ln_mlp, then (w0, w1) of wqkv, wo, wgu, wdown; kinds: their 4 kinds; biases: bqkv, bo
+struct Layer {
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> kinds;
+  std::optional<at::Tensor> bqkv, bo;
+};
+
+// x [T, hidden] -> queries [H, T, hd] in kv's dtype; keys and values written to kv at `slots`
+at::Tensor attn_in(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
+                   const std::optional<at::Tensor>& bqkv, at::Tensor kv, const at::Tensor& slots,
+                   const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH, int64_t hd, double eps) {
+  int64_t T = x.size(0);
+  at::Tensor h = norm(x, w[0], eps);
+  at::Tensor qkv = linear(h, kinds[0], w[2], w[3], bqkv).view({T, H + 2 * KVH, hd});
+  at::Tensor qk = qkv.slice(1, 0, H + KVH);
+  qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
+  kv.index_copy_(1, slots, at::cat({qk.slice(1, H), qkv.slice(1, H + KVH)}, 1).transpose(0, 1).to(kv.scalar_type()));
+  return qk.slice(1, 0, H).transpose(0, 1).to(kv.scalar_type());
+}
+
+// attention output o [H, T, hd] -> the layer's output [T, hidden]
+at::Tensor attn_out(const at::Tensor& x, const at::Tensor& o_heads, const std::vector<at::Tensor>& w,
+                    const std::vector<int64_t>& kinds, const std::optional<at::Tensor>& bo, double eps) {
+  int64_t T = x.size(0);
+  at::Tensor o = o_heads.transpose(0, 1).to(x.scalar_type()).reshape({T, -1});
+  o = linear(o, kinds[1], w[4], w[5], bo);
+  at::Tensor y = x + o;
+  at::Tensor h = norm(y, w[1], eps);
+  auto gu = linear(h, kinds[2], w[6], w[7], std::nullopt).chunk(2, -1);
+  h = linear(at::silu(gu[0]) * gu[1], kinds[3], w[8], w[9], std::nullopt);
+  return y + h;
+}
+
+// the whole step with the fused attention kernel (core.layer_step with canon=None)
+at::Tensor step(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
+                const std::optional<at::Tensor>& bqkv, const std::optional<at::Tensor>& bo, at::Tensor kv,
+                const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
+                int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
+  at::Tensor qh = attn_in(x, w, kinds, bqkv, kv, slots, cos, sin, H, KVH, hd, eps);
+  int64_t L = mask.size(-1);
+  at::Tensor o = at::scaled_dot_product_attention(
+      qh.unsqueeze(0), kv.slice(0, 0, KVH).slice(1, 0, L).unsqueeze(0), kv.slice(0, KVH).slice(1, 0, L).unsqueeze(0),
+      mask.unsqueeze(0).unsqueeze(0), 0.0, false, scale, H != KVH).select(0, 0);
+  return attn_out(x, o, w, kinds, bo, eps);
+}
+
+// every layer of a pass in one call (the fused attention kernel): layers[i] uses masks[mask_of[i]]
+at::Tensor layers(at::Tensor x, const std::vector<std::vector<at::Tensor>>& ws,
+                  const std::vector<std::vector<int64_t>>& kinds, const std::vector<std::optional<at::Tensor>>& bqkv,
+                  const std::vector<std::optional<at::Tensor>>& bo, const std::vector<at::Tensor>& kv,
+                  const at::Tensor& slots, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                  const std::vector<at::Tensor>& masks, const std::vector<int64_t>& table_of,
+                  const std::vector<int64_t>& mask_of, int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
+  for (size_t i = 0; i < ws.size(); ++i)
+    x = step(x, ws[i], kinds[i], bqkv[i], bo[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]],
+             masks[mask_of[i]], H, KVH, hd, eps, scale);
+  return x;
+}
+
+// canonical.attention's operations: q [H, T, D], caches [KVH, S, D], bias [G*T, L]; the plan's tensors as
+// Canon.expanded(G) and Canon.flat_slots give them
+struct Canon {
+  std::optional<at::Tensor> order, tail_past;
+  at::Tensor tail_cols, flat;
+  std::vector<int64_t> cuts;
+  std::vector<at::Tensor> rows;
+};
+
+constexpr int64_t TAIL = 128;  // canonical.TAIL
+
+at::Tensor canon_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& bias, double scale, const Canon& c) {
+  int64_t H = q.size(0), T = q.size(1), D = q.size(2), L = bias.size(-1), kvh = k_cache.size(0), g = H / kvh;
+  at::Tensor qg = (q * scale).reshape({kvh, g * T, D});
+  at::Tensor s = at::bmm(qg, k_cache.slice(1, 0, L).transpose(1, 2));
+  if (c.order.has_value()) s = s.gather(-1, c.order->expand({kvh, g * T, L}));
+  at::Tensor p = at::softmax(s.add_(bias), -1);
+  std::optional<at::Tensor> head;
+  for (size_t i = 0; i < c.cuts.size(); ++i) {
+    int64_t b = c.cuts[i];
+    if (b == 0) continue;
+    at::Tensor part = at::bmm(p.slice(2, 0, b).contiguous(), v_cache.slice(1, 0, b));
+    if (!head.has_value())
+      head = c.cuts.size() == 1 ? part : at::where(c.rows[i], part, 0.0);
+    else
+      head = at::where(c.rows[i], part, *head);
+  }
+  at::Tensor pt = p.gather(-1, c.tail_cols.expand({kvh, g * T, TAIL}));
+  if (c.tail_past.has_value()) pt.masked_fill_(*c.tail_past, 0.0);
+  pt = pt.reshape({kvh, g, T, TAIL}).transpose(1, 2);
+  at::Tensor vt = v_cache.view({-1, D}).index_select(0, c.flat).reshape({kvh, T, TAIL, D});
+  at::Tensor tail = at::matmul(pt, vt).transpose(1, 2).reshape({kvh, g * T, D});
+  at::Tensor out = head.has_value() ? *head + tail : tail;
+  return out.reshape({H, T, D});
+}
+
+// every layer of an exact-mode pass in one call: canonical attention between the halves
+at::Tensor layers_canonical(at::Tensor x, const std::vector<std::vector<at::Tensor>>& ws,
+                            const std::vector<std::vector<int64_t>>& kinds,
+                            const std::vector<std::optional<at::Tensor>>& bqkv,
+                            const std::vector<std::optional<at::Tensor>>& bo, const std::vector<at::Tensor>& kv,
+                            const at::Tensor& slots, const std::vector<at::Tensor>& cos,
+                            const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& biases,
+                            const std::vector<int64_t>& table_of, const std::vector<int64_t>& mask_of,
+                            const std::optional<at::Tensor>& order, const at::Tensor& tail_cols,
+                            const std::vector<int64_t>& cuts, const std::vector<at::Tensor>& rows,
+                            const std::optional<at::Tensor>& tail_past, const at::Tensor& flat,
+                            int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
+  Canon c{order, tail_past, tail_cols, flat, cuts, rows};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    at::Tensor qh = attn_in(x, ws[i], kinds[i], bqkv[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]],
+                            H, KVH, hd, eps);
+    at::Tensor o = canon_attention(qh, kv[i].slice(0, 0, KVH), kv[i].slice(0, KVH), biases[mask_of[i]], scale, c);
+    x = attn_out(x, o, ws[i], kinds[i], bo[i], eps);
+  }
+  return x;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attn_in", &attn_in);
+  m.def("attn_out", &attn_out);
+  m.def("step", &step);
+  m.def("layers", &layers);
+  m.def("layers_canonical", &layers_canonical);
+}
+"""
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+def module():
+    """The built extension, or None (the reason in status())."""
+    with _LOCK:
+        if "module" not in _STATE:
+            _STATE["module"], _STATE["why"] = _build()
+        return _STATE["module"]
+
+
+def status() -> str:
+    """'native' where the extension is in use, else why the Python step runs."""
+    return "native" if module() is not None else _STATE["why"]
+
+
+def _build():
+    if os.environ.get("VERISPEC_NATIVE", "1") == "0":
+        return None, "VERISPEC_NATIVE=0"
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        mod = load_inline("verispec_native_step", cpp_sources=_SOURCE, extra_cflags=["-O2"], verbose=False)
+        return mod, "native"
+    except Exception as exc:  # no compiler, no headers, a failed build: the Python step runs
+        why = f"native step unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120] if str(exc).strip() else ''})"
+        log.warning("%s; running the Python layer step", why)
+        return None, why
+
+
+# the functions whose kernels the C++ issues, as imported (a linear replaced later, e.g. by a test planting
+# another rounding, is not one of them and runs the Python step)
+_PACKED_LINEAR, _QUANT_LINEAR, _PLAIN_LINEAR = packed._packed_linear, quant.linear, F.linear
+
+
+def kind_of(linear, w) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """(kind, w0, w1) of a projection weight as `linear` applies it, or None where the C++ has no such kind."""
+    empty = torch.empty(0)
+    if linear is _PACKED_LINEAR:
+        return PACKED, w, empty
+    if linear is _QUANT_LINEAR:
+        return (INT4, w.packed, w.sz) if isinstance(w, quant.Int4) else (INT8, w.q, w.scale)
+    if linear is _PLAIN_LINEAR:
+        return PLAIN, w, empty
+    return None
+
+
+def layer_args(arch, linear, lw: dict) -> tuple | None:
+    """One layer's weights as the C++ takes them: (weights, kinds, bqkv, bo), or None where the step is
+    not the Llama-family one or a projection kind is unknown (the Python step runs then)."""
+    silu = arch.act is F.silu or type(getattr(arch.act, "__self__", None)).__name__ in ("SiLUActivation", "SiLU")
+    if arch.qk_norm or arch.sandwich or arch.gemma_norm or not silu:
+        return None
+    kinds, w = [], [lw["ln_attn"], lw["ln_mlp"]]
+    for key in ("wqkv", "wo", "wgu", "wdown"):
+        k = kind_of(linear, lw[key])
+        if k is None:
+            return None
+        kinds.append(k[0])
+        w += [k[1], k[2]]
+    return w, kinds, lw.get("bqkv"), lw.get("bo")
