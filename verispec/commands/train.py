@@ -1,4 +1,4 @@
-"""`verispec train eagle|medusa --target M ...`: train a drafter head by self-distillation (resumable)."""
+"""`verispec train eagle|medusa|dflash --target M ...`: train a drafter head by self-distillation (resumable)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 
 from verispec.cli import app, friendly
 
-train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa) for a target model.")
+train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa, DFlash-style block drafter) for a target model.")
 app.add_typer(train_app, name="train")
 
 
@@ -43,6 +43,8 @@ def _command(kind: str):
         ttt_steps: int = typer.Option(6, "--ttt-steps", help="EAGLE: training-time test unroll steps."),
         draft_vocab: int = typer.Option(2048, "--draft-vocab", help="Reduced draft vocabulary size."),
         medusa_heads: int = typer.Option(4, "--medusa-heads", help="Medusa: number of heads."),
+        block_size: int = typer.Option(8, "--block-size", help="dflash: block length (the pending token + block-size - 1 drafted tokens)."),
+        dflash_layers: int = typer.Option(2, "--dflash-layers", help="dflash: drafter layers."),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
@@ -59,7 +61,8 @@ def _command(kind: str):
     ):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
-             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, seed=seed, device=device,
+             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, block_size=block_size,
+             dflash_layers=dflash_layers, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
              eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes,
              feature_backend=feature_backend)
@@ -69,3 +72,4 @@ def _command(kind: str):
 
 eagle = _command("eagle")
 medusa = _command("medusa")
+dflash = _command("dflash")
