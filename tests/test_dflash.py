@@ -39,6 +39,9 @@ def random_drafter_model(target, seed: int = 1, vocab: int | None = None, block_
     with torch.no_grad():
         m.lm_head.weight.mul_(sharp)
         m.mask_embed.normal_()
+        for layer in m.layers:  # random residual branches (they start at zero for training)
+            layer.o.weight.normal_(0, 0.2)
+            layer.down.weight.normal_(0, 0.2)
     m.attach_embedding(target.model.get_input_embeddings().weight)
     return m.eval()
 

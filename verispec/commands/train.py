@@ -45,6 +45,7 @@ def _command(kind: str):
         medusa_heads: int = typer.Option(4, "--medusa-heads", help="Medusa: number of heads."),
         block_size: int = typer.Option(8, "--block-size", help="dflash: block length (the pending token + block-size - 1 drafted tokens)."),
         dflash_layers: int = typer.Option(2, "--dflash-layers", help="dflash: drafter layers."),
+        block_anchors: int = typer.Option(32, "--block-anchors", help="dflash: blocks per sequence and step (random anchors among the window's --seq-len)."),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
@@ -62,7 +63,7 @@ def _command(kind: str):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
              lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, block_size=block_size,
-             dflash_layers=dflash_layers, seed=seed, device=device,
+             dflash_layers=dflash_layers, block_anchors=block_anchors, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
              eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes,
              feature_backend=feature_backend)

@@ -78,6 +78,9 @@ class BlockDrafterModel(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.embed: torch.Tensor | None = None  # the target's embedding table (frozen, not saved)
         self._packed: dict[str, torch.Tensor] | None = None
+        for layer in self.layers:  # residual branches start at zero: every layer starts as the identity,
+            nn.init.zeros_(layer.o.weight)  # so the first logits are flat (loss ~ log Vd), not confident noise
+            nn.init.zeros_(layer.down.weight)
 
     @staticmethod
     def make_config(target, draft_vocab_size: int, block_size: int = 8, num_layers: int = 2,

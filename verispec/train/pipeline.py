@@ -42,6 +42,7 @@ class TrainConfig:
     medusa_heads: int = 4
     block_size: int = 8              # dflash: the pending token + block_size - 1 drafted positions
     dflash_layers: int = 2           # dflash: drafter layers
+    block_anchors: int = 32          # dflash: blocks per sequence and step, drawn among the window's seq-len anchors
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
@@ -63,6 +64,7 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.kind not in KINDS:
         raise InvalidParameter(f"unknown head kind '{cfg.kind}'; use one of {', '.join(KINDS)}")
     for name in ("prompts", "steps", "batch_size", "seq_len", "ttt_steps", "draft_vocab", "medusa_heads", "gen_batch", "dflash_layers",
+                 "block_anchors",
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -154,7 +156,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     if cfg.kind == "eagle":
         history = train_eagle(module, data, target.vocab_size, work / state, ttt_steps=cfg.ttt_steps, **common)
     elif cfg.kind == "dflash":
-        history = train_dflash(module, data, target.vocab_size, work / state, **common)
+        history = train_dflash(module, data, target.vocab_size, work / state, anchors=cfg.block_anchors, **common)
     else:
         history = train_medusa(module, data, target.vocab_size, work / state, **common)
     timings["train_s_this_run"] = round(time.perf_counter() - t0, 1)
