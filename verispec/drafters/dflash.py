@@ -6,7 +6,8 @@ EAGLE head reads, handed over by the engine the same way: Engine -> drafter.obse
 concatenated and fused by a projection and a norm into one context feature c_t per committed position
 t. Every drafter layer injects the context as extra keys and values: its own k/v projections applied to
 c_0..c_{n-1} (cached, one entry per committed position, computed once), beside the keys and values of
-the block itself. The block is [the pending token, MASK x (B-1)] at positions n..n+B-1 (the pending
+the block itself. The block is [the pending token, MASK slots 1..B-1] at positions n..n+B-1 (every row reads the pending token and
+c_{n-1} through an input projection, as EAGLE's input does; the slots add their own embedding) (the pending
 token is the last token of the context, not yet in the target's cache), with attention bidirectional
 inside the block and over the whole committed prefix from position 0; MASK slot i's output gives,
 through a norm and an LM head, the distribution of the token at its own position. One forward over B
@@ -67,7 +68,9 @@ class BlockDrafterModel(nn.Module):
         inter, vd = int(config["intermediate_size"]), int(config["draft_vocab_size"])
         self.fc = nn.Linear(len(self.feature_layers) * H, H, bias=False)
         self.norm_c = RMSNorm(H)
-        self.mask_embed = nn.Parameter(torch.zeros(H))
+        self.norm_e = RMSNorm(H)
+        self.inp = nn.Linear(2 * H, H, bias=False)
+        self.mask_embed = nn.Parameter(torch.zeros(self.block_size - 1, H))  # one per slot: slots differ from the start
         self.layers = nn.ModuleList(BlockLayer(H, self.n_heads, self.n_kv, self.head_dim, inter)
                                     for _ in range(int(config["num_layers"])))
         self.norm = RMSNorm(H)
@@ -137,11 +140,17 @@ class BlockDrafterModel(nn.Module):
             out.append((_rotate(k, pos, self.inv_freq), v))
         return out
 
-    def block_inputs(self, pending: torch.Tensor) -> torch.Tensor:
-        """pending [...] token ids -> block inputs [..., B, H]: the token's embedding, then MASK x (B-1)."""
-        e = F.embedding(pending, self.embed).to(self.mask_embed.dtype)
-        mask = self.mask_embed.expand(*pending.shape, self.block_size - 1, self.hidden)
-        return torch.cat([e[..., None, :], mask], dim=-2)
+    def block_inputs(self, pending: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """pending [...] token ids, last [..., H] the context feature of the last committed position ->
+        block inputs [..., B, H]: every row starts from inp([norm(embed(pending)); last]) (EAGLE's input:
+        the pending token with the latest feature), the MASK slots 1..B-1 add their own embedding. Giving
+        every row both directly spares the slots learning to find them by attention first, which a
+        CPU-sized training run cannot wait for (the pending token's embedding alone in row 0, as in
+        DFlash, learnt next to nothing in 170 steps here)."""
+        e = self.norm_e(F.embedding(pending, self.embed).to(self.mask_embed.dtype))
+        fused = self.lin("inp", self.inp, torch.cat([e, last.to(e.dtype)], dim=-1))
+        slots = torch.cat([self.mask_embed.new_zeros(1, self.hidden), self.mask_embed], dim=0)
+        return fused[..., None, :] + slots
 
     def blocks(self, x: torch.Tensor, pos: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -215,6 +224,7 @@ class BlockDrafter(PositionDrafting):
         self.V = [k.clone() for k in self.K]
         self.features: list[torch.Tensor] = []
         self.n_features = 0
+        self.last: torch.Tensor | None = None  # context feature of position n - 1
 
     def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         self.reset()
@@ -250,13 +260,15 @@ class BlockDrafter(PositionDrafting):
             start, end = self.n, self.n + int(feats.shape[0])
             self._grow(end)
             pos = torch.arange(start, end, device=self.device)
-            for i, (k, v) in enumerate(self.model.context_kv(self.model.context(feats[None]), pos[None])):
+            c = self.model.context(feats[None])
+            for i, (k, v) in enumerate(self.model.context_kv(c, pos[None])):
                 self.K[i][:, :, start:end], self.V[i][:, :, start:end] = k, v
+            self.last = c[:, -1]
             self.n = end
         if self.n != len(context) - 1 or self.n == 0:
             return None
         m = self.model
-        x = m.block_inputs(torch.tensor([context[-1]], device=self.device))
+        x = m.block_inputs(torch.tensor([context[-1]], device=self.device), self.last)
         pos = torch.arange(self.n, self.n + m.block_size, device=self.device)[None]
         ctx = [(k[:, :, : self.n], v[:, :, : self.n]) for k, v in zip(self.K, self.V)]
         return m.blocks(x, pos, ctx, None)[0, 1:]
@@ -275,9 +287,10 @@ def block_logits_for_anchors(model: BlockDrafterModel, tok: torch.Tensor, feats:
     b, S = tok.shape
     Q, B = anchors.shape[1], model.block_size
     dev = tok.device
-    ctx = model.context_kv(model.context(feats), torch.arange(S, device=dev).expand(b, S))
+    c = model.context(feats)
+    ctx = model.context_kv(c, torch.arange(S, device=dev).expand(b, S))
     pending = tok.gather(1, (anchors + 1).clamp_max(S - 1))
-    x = model.block_inputs(pending).flatten(1, 2)  # [b, Q*B, H]
+    x = model.block_inputs(pending, c.gather(1, anchors[:, :, None].expand(b, Q, c.shape[-1]))).flatten(1, 2)  # [b, Q*B, H]
     pos = ((anchors + 1)[:, :, None] + torch.arange(B, device=dev)).flatten(1)
     see_ctx = torch.arange(S, device=dev)[None, None, :] <= anchors.repeat_interleave(B, 1)[:, :, None]  # [b, QB, S]
     blk = torch.arange(Q, device=dev).repeat_interleave(B)
