@@ -7,6 +7,9 @@ and the shipped Medusa heads, after a context of --context tokens:
     logits over the draft vocabulary, i.e. what one depth of a chain or a dynamic tree costs
   * one whole EAGLE proposal: a chain of 5, and a dynamic tree (budget 16, top-k 4, depth 6)
   * one Medusa proposal (a chain of 4 and the static medium tree)
+  * one block-drafter (dflash) proposal: the block forward alone, and with the context entries of 3
+    newly accepted positions first (what a step does), for --dflash-layers x --dflash-blocks drafters
+    (the shipped one when there is one, else random weights: the cost does not depend on them)
 Every figure is the median over --rounds rounds that measure every item once (the machine is shared).
 
     .venv/bin/python benchmarks/head_cost.py --dtype bfloat16 --json results/cpu/head_cost.json
@@ -41,6 +44,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dflash-layers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dflash-blocks", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.threads:
@@ -101,6 +106,32 @@ def main() -> None:
     items["eagle_dynamic_tree_16"] = lambda: eagle.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=6))
     items["medusa_chain_4"] = lambda: medusa.propose(ctx, 4)
     items["medusa_static_medium"] = lambda: medusa.propose_tree(ctx, StaticTree.named("medium"))
+    from verispec.drafters.dflash import BlockDrafter, BlockDrafterModel
+    from verispec.heads import shipped_head
+
+    shipped = shipped_head(target.name, "dflash")
+    for layers in a.dflash_layers:
+        for block in a.dflash_blocks:
+            model = BlockDrafterModel(BlockDrafterModel.make_config(target, eagle.d2t.numel(), block, layers, eagle.feature_layers))
+            model.attach_embedding(target.model.get_input_embeddings().weight)
+            d = BlockDrafter(model.to(target.device).eval(), target.vocab_size, weights_dtype=target.dtype)
+            d.begin(ctx, params, None)
+            d.observe_features(feats[:-1, cols["eagle"]])
+            d.block_logits(ctx)
+
+            def sync_and_block(d=d):
+                d.n -= 3  # the last 3 entries again, as after a step that accepted 2 drafts
+                d.observe_features(feats[-4:-1, cols["eagle"]])
+                d.propose(ctx, block - 1)
+
+            items[f"dflash_{layers}L_b{block}_block"] = lambda d=d, block=block: d.propose(ctx, block - 1)
+            items[f"dflash_{layers}L_b{block}_step"] = sync_and_block
+    if shipped is not None:
+        d = BlockDrafter.for_target(target)
+        d.begin(ctx, params, None)
+        d.observe_features(feats[:-1, cols["eagle"]])
+        items["dflash_shipped_block"] = lambda: d.propose(ctx, d.positions)
+        items["dflash_shipped_dynamic_tree_16"] = lambda: d.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=d.positions))
     for fn in items.values():  # warm-up
         fn()
     rounds = {k: [] for k in items}

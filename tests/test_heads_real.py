@@ -1,6 +1,7 @@
-"""The shipped EAGLE and Medusa heads on the real embedded SmolLM2-135M (float32): greedy output equals
-plain greedy decoding token for token (5 prompts x 64 tokens), as chains and trees, and the heads
-really draft (some drafts accepted)."""
+"""The shipped EAGLE and Medusa heads and the block drafter (dflash) on the real embedded SmolLM2-135M
+(float32, and the block drafter also in bfloat16 exact mode): greedy output equals plain greedy decoding
+token for token (5 prompts x 64 tokens), as chains and trees, and the heads really draft (some drafts
+accepted)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,31 @@ def test_heads_are_shipped_and_small():
         path = shipped_head("smollm2-135m", kind)
         assert path is not None, f"no shipped {kind} head"
         assert (path / "model.safetensors").stat().st_size <= 20 * 2**20
+    path = shipped_head("smollm2-135m", "dflash")
+    assert path is not None, "no shipped dflash drafter"
+    assert (path / "model.safetensors").stat().st_size <= 30 * 2**20
+
+
+def test_shipped_block_drafter_greedy_exact_bfloat16():
+    """The block drafter as it ships (bf16 target, packed bf16 weights, exact mode): output equals plain
+    decoding's, as a whole block (draft length B-1) and as a tree."""
+    from verispec.models import load_model
+
+    target = load_model("smollm2-135m", dtype="bfloat16")
+    plain = build_engine(target, "ar")
+    for tree in (None, "dynamic"):
+        engine = build_engine(target, "dflash", draft_length=7, tree=tree)
+        accepted = 0
+        for prompt in PROMPTS[:3]:
+            ids = target.encode(chat=prompt)
+            g = engine.generate(ids, SamplingParams(max_new_tokens=64))
+            assert g.token_ids == plain.generate(ids, SamplingParams(max_new_tokens=64)).token_ids, (tree, prompt)
+            accepted += g.stats.accepted
+        assert accepted > 0
 
 
 @pytest.mark.parametrize("method,tree", [("eagle", None), ("eagle", "dynamic"), ("medusa", None),
-                                         ("medusa", "static:medium")])
+                                         ("medusa", "static:medium"), ("dflash", None), ("dflash", "dynamic")])
 def test_shipped_heads_greedy_exact(smollm2, plain, method, tree):
     engine = build_engine(smollm2, method, draft_length=4, tree=tree)
     accepted = 0

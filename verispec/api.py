@@ -37,7 +37,7 @@ def build_engine(target, method: str = "ar", draft=None, draft_length: int = 5, 
     weights (fast path): "auto", "bf16", "q8", "q4" (verispec/fast/quant.py); None = the loaded model's.
     runner: reuse the runner of an earlier engine built with the same backend/exact/compile (a fast
     runner holds a copy of the fused weights and a KV cache; servers keep a few and pass them in).
-    head (methods eagle, medusa): a trained head folder (verispec train); None = the one shipped for the target.
+    head (methods eagle, medusa, dflash): a trained head folder (verispec train); None = the one shipped for the target.
     suffix_* (method suffix, verispec/drafters/suffix.py): suffix_cache "global" (the model's cross-request
     cache, shared by every engine in the process), "private" (this engine's own), "off", or a SuffixCache;
     suffix_alpha (at most alpha * match length tokens speculated), suffix_min_prob (smallest path score

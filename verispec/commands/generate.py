@@ -31,7 +31,7 @@ def generate(
     chat: Optional[str] = typer.Option(None, "--chat", "-c", help="A user chat message, wrapped in the model's chat template."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt (UTF-8) from a file."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
-    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model, any vocabulary), eagle, medusa, suffix (suffix decoding), lookahead (lookahead decoding)."),
+    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model, any vocabulary), eagle, medusa, dflash (block drafter), suffix (suffix decoding), lookahead (lookahead decoding)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft (another tokenizer than the target's works: its text is re-tokenized)."),
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Tokens drafted per step."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length: longer after a full accept, shorter after a rejection."),

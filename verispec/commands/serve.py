@@ -20,7 +20,7 @@ def serve(
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Default tokens drafted per step."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length by default."),
     ngram_max: int = typer.Option(3, "--ngram-max", help="Longest suffix the n-gram drafter matches."),
-    head: Optional[str] = typer.Option(None, "--head", help="Trained head folder for methods eagle/medusa (default: the shipped one)."),
+    head: Optional[str] = typer.Option(None, "--head", help="Trained head folder for methods eagle/medusa/dflash (default: the shipped one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; the default is reachable from this machine only."),
     port: int = typer.Option(8000, "--port", "-p"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY",

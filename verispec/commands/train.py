@@ -1,4 +1,4 @@
-"""`verispec train eagle|medusa --target M ...`: train a drafter head by self-distillation (resumable)."""
+"""`verispec train eagle|medusa|dflash --target M ...`: train a drafter head by self-distillation (resumable)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 from verispec.cli import app, friendly
 
-train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa) for a target model.")
+train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa, DFlash-style block drafter) for a target model.")
 app.add_typer(train_app, name="train")
 
 
@@ -47,6 +47,9 @@ def _command(kind: str):
         draft_vocab: int = typer.Option(2048, "--draft-vocab", help="Reduced draft vocabulary size."),
         medusa_heads: int = typer.Option(4, "--medusa-heads", help="Medusa: number of heads."),
         layout: str = typer.Option("verispec", "--layout", help="EAGLE: verispec (own layer) or eagle3 (EAGLE-3's layer; verispec export writes it for vLLM / SGLang)."),
+        block_size: int = typer.Option(8, "--block-size", help="dflash: block length (the pending token + block-size - 1 drafted tokens)."),
+        dflash_layers: int = typer.Option(2, "--dflash-layers", help="dflash: drafter layers."),
+        block_anchors: int = typer.Option(32, "--block-anchors", help="dflash: blocks per sequence and step (random anchors among the window's --seq-len)."),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
@@ -64,7 +67,8 @@ def _command(kind: str):
     ):
         _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
              max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
-             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, layout=layout, seed=seed, device=device,
+             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, layout=layout, block_size=block_size,
+             dflash_layers=dflash_layers, block_anchors=block_anchors, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
              eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes, train_precision=train_precision,
              feature_backend=feature_backend)
@@ -74,3 +78,4 @@ def _command(kind: str):
 
 eagle = _command("eagle")
 medusa = _command("medusa")
+dflash = _command("dflash")

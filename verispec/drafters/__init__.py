@@ -66,12 +66,19 @@ def _medusa(target, head=None, **_):
     return MedusaDrafter.for_target(target, head)
 
 
+def _dflash(target, head=None, **_):
+    from verispec.drafters.dflash import BlockDrafter
+
+    return BlockDrafter.for_target(target, head)  # head: a trained drafter folder; None = the shipped one
+
+
 # method name -> factory(target, **options) -> Drafter | None (None: plain autoregressive decoding)
 METHODS: dict[str, Callable] = {"ar": _ar, "ngram": _ngram, "draft": _draft}
 METHODS["eagle"] = _eagle
 METHODS["medusa"] = _medusa
 METHODS["suffix"] = _suffix
 METHODS["lookahead"] = _lookahead
+METHODS["dflash"] = _dflash
 
 
 def make_drafter(method: str, target, **options) -> Drafter | None:

@@ -75,49 +75,22 @@ def load_medusa_heads(target, head: str | Path | None = None, device=None) -> Me
     return module.to(device or target.device).eval()
 
 
-class MedusaDrafter(HeadDrafting):
-    name = "medusa"
-    needs_target_features = True
+class PositionDrafting(HeadDrafting):
+    """Drafters whose every draft position has one distribution, whatever was drafted before it (Medusa's
+    heads, the block drafter's MASK slots): `block_logits(context)` -> logits [K, Vd] of positions
+    1..K after the pending token, or None. A chain takes each position's argmax or a draw from its q;
+    a tree takes each position's top tokens as the children of every node at that depth."""
 
-    def __init__(self, heads: MedusaHeads, target_vocab_size: int):
-        self.heads = heads.eval()
-        self.vocab = int(target_vocab_size)
-        self.feature_layers = list(heads.feature_layers)
-        self.device = next(heads.parameters()).device
-        self.d2t = heads.d2t.to(self.device)
-        self.params, self.generator = SamplingParams(), None
-        self.last: torch.Tensor | None = None
-        self.n_features = 0
-
-    @classmethod
-    def for_target(cls, target, head: str | Path | None = None) -> "MedusaDrafter":
-        return cls(load_medusa_heads(target, head), target.vocab_size)
-
-    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
-        self.params, self.generator = params, generator
-        self.last, self.n_features = None, 0
-
-    def observe_features(self, features: torch.Tensor) -> None:
-        if features.shape[0]:
-            self.last = features[-1].to(self.device)
-            self.n_features += int(features.shape[0])
-
-    def observe(self, result: StepResult) -> None:
-        pass
-
-    @torch.inference_mode()
-    def _logits(self, context: list[int]) -> torch.Tensor | None:
-        if self.last is None or self.n_features != len(context) - 1:
-            return None
-        return self.heads(self.last)  # [K, Vd]
+    def block_logits(self, context: list[int]) -> torch.Tensor | None:
+        raise NotImplementedError
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> Proposal | None:
-        lg = self._logits(context)
+        lg = self.block_logits(context)
         if lg is None or k < 1:
             return None
         tokens, probs = [], []
-        for d in range(min(k, self.heads.num_heads)):
+        for d in range(min(k, lg.shape[0])):
             x, q = self.choose(lg[d])
             tokens.append(x)
             probs.append(q)
@@ -126,10 +99,10 @@ class MedusaDrafter(HeadDrafting):
 
     @torch.inference_mode()
     def propose_tree(self, context: list[int], shape) -> Proposal | None:
-        lg = self._logits(context)
+        lg = self.block_logits(context)
         if lg is None:
             return None
-        K = self.heads.num_heads
+        K = lg.shape[0]
         cands: list[Candidate] = []
         if isinstance(shape, StaticTree):
             if shape.depth > K:
@@ -177,3 +150,40 @@ class MedusaDrafter(HeadDrafting):
         else:
             raise TypeError(f"unknown tree shape {shape!r}")
         return to_proposal(cands, keep, vocab=self.vocab) if keep else None
+
+
+class MedusaDrafter(PositionDrafting):
+    name = "medusa"
+    needs_target_features = True
+
+    def __init__(self, heads: MedusaHeads, target_vocab_size: int):
+        self.heads = heads.eval()
+        self.vocab = int(target_vocab_size)
+        self.feature_layers = list(heads.feature_layers)
+        self.device = next(heads.parameters()).device
+        self.d2t = heads.d2t.to(self.device)
+        self.params, self.generator = SamplingParams(), None
+        self.last: torch.Tensor | None = None
+        self.n_features = 0
+
+    @classmethod
+    def for_target(cls, target, head: str | Path | None = None) -> "MedusaDrafter":
+        return cls(load_medusa_heads(target, head), target.vocab_size)
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.params, self.generator = params, generator
+        self.last, self.n_features = None, 0
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        if features.shape[0]:
+            self.last = features[-1].to(self.device)
+            self.n_features += int(features.shape[0])
+
+    def observe(self, result: StepResult) -> None:
+        pass
+
+    @torch.inference_mode()
+    def block_logits(self, context: list[int]) -> torch.Tensor | None:
+        if self.last is None or self.n_features != len(context) - 1:
+            return None
+        return self.heads(self.last)  # [K, Vd]

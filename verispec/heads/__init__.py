@@ -4,7 +4,7 @@ A head is a folder with two files:
 
     model.safetensors   the head's weights (the target's own embedding is not stored: it is read from
                         the target at load time); `d2t` maps draft-vocabulary index -> target token id
-    config.json         {"kind": "eagle" | "medusa", "target": {name, model_type, vocab_size, hidden_size,
+    config.json         {"kind": "eagle" | "medusa" | "dflash", "target": {name, model_type, vocab_size, hidden_size,
                         num_hidden_layers, embed_fingerprint}, "feature_layers": [...], "draft_vocab_size",
                         the head's own shape, and "training": how it was trained and what it reached}
 

@@ -54,14 +54,17 @@ def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], lis
     """sequences: (prompt ids, the target's greedy continuation) -> per draft step [agreements, anchors].
     EAGLE: the training-time unroll on the module as it drafts (its packed copies when packed), so
     step j reads the true tokens and the head's own step j-1 output; Medusa: head j reads the target's
-    state at the anchor."""
+    state at the anchor; dflash: the block forward of train/loops.py (block_logits_for_anchors) at every
+    anchor, so step j is block position j."""
+    from verispec.drafters.dflash import block_logits_for_anchors
     from verispec.fast import make_runner, supports
     from verispec.train.loops import eagle_unroll
 
     opts = {"exact": False} if supports(target.model) else {}
     runner = make_runner(target.model, "auto", **opts)
     runner.feature_layers = tuple(module.feature_layers)
-    counts = [[0, 0] for _ in range(steps if kind == "eagle" else module.num_heads)]
+    depth = {"eagle": steps, "medusa": getattr(module, "num_heads", 0), "dflash": getattr(module, "block_size", 1) - 1}[kind]
+    counts = [[0, 0] for _ in range(depth)]
     for prompt, answer in sequences:
         seq = prompt + answer
         n, pl = len(seq), len(prompt)
@@ -74,6 +77,9 @@ def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], lis
         anchors = torch.arange(pl - 1, n - 1, device=target.device)[None]  # anchor pl - 1: the first draft
         if kind == "eagle":
             preds = [lg.argmax(-1)[0] for lg in eagle_unroll(module, tok, feats, steps, anchors)]
+        elif kind == "dflash":
+            lg = block_logits_for_anchors(module, tok, feats, anchors)[0]  # [A, B-1, Vd]
+            preds = [lg[:, j].argmax(-1) for j in range(lg.shape[1])]
         else:
             lg = module(feats[0, anchors[0]])  # [A, K, Vd]
             preds = [lg[:, j].argmax(-1) for j in range(lg.shape[1])]
@@ -106,7 +112,8 @@ def eval_sets(target, heldout_records: list[dict] | None, per_task: int, bench_p
 def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], max_new_tokens: int = 64,
                   draft_length: int = 5, tree_budget: int = 16, steps: int = 6, log=print) -> dict:
     """The head's figures per task and over all tasks (see the module docstring). `module` is a trained
-    EagleHead or MedusaHeads on the target's device; it is used as the drafter uses it."""
+    EagleHead, MedusaHeads or BlockDrafterModel on the target's device; it is used as the drafter uses it."""
+    from verispec.drafters.dflash import BlockDrafter
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
     from verispec.tree import DynamicTree, StaticTree
@@ -115,6 +122,10 @@ def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], m
         module.attach_embedding(target.model.get_input_embeddings().weight)
         make = lambda: EagleDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
         tree = DynamicTree(budget=tree_budget, depth=steps)
+    elif kind == "dflash":
+        module.attach_embedding(target.model.get_input_embeddings().weight)
+        make = lambda: BlockDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
+        tree = DynamicTree(budget=tree_budget, depth=module.block_size - 1)
     else:
         make = lambda: MedusaDrafter(module, target.vocab_size)  # noqa: E731
         tree = StaticTree.named("medium")

@@ -1,4 +1,4 @@
-"""Training loops for the EAGLE head and the Medusa heads, on features from extract.py.
+"""Training loops for the EAGLE head, the Medusa heads and the block drafter, on features from extract.py.
 
 Loss: cross-entropy of the head's distribution against the target's next-token distribution (its top-k,
 renormalised over the tokens of the draft vocabulary), i.e. KL to the target up to a constant. No
@@ -13,6 +13,10 @@ Step j's loss has weight 0.8^(j-1) and its label is the target's distribution at
 
 Medusa: head k (0-based) reads the target's final normed state at t and learns the distribution at
 position t + k + 1; losses weighted 0.8^k.
+
+Block drafter (DFlash-style, drafters/dflash.py): random anchors inside the answers; at anchor t the
+block [x_{t+1}, MASK...] sees the context entries of positions 0..t and slot i learns the target's
+distribution at position t + i; slot i's loss has weight exp(-(i-1)/gamma) (dflash.position_weights).
 
 Both loops log loss and top-1 agreement (the head's argmax equals the target's), checkpoint every
 `save_every` steps with the optimizer and random state (resumable), and are seeded. The forward runs
@@ -265,6 +269,36 @@ def train_medusa(heads, data: FeatureSet, vocab: int, work: Path, steps: int = 2
             s, a, n = soft_ce(lg[:, :, k], *shifted_labels(batch, k + 1), trainer.t2d, trainer.d2t)
             a, n = distributed.total(a), distributed.total(n)
             total = total + (0.8 ** k) * s * distributed.world() / n.clamp_min(1)
+            agree.append(float(a / n.clamp_min(1)))
+        return total, agree
+
+    return trainer.run(loss_fn)
+
+
+def train_dflash(model, data: FeatureSet, vocab: int, work: Path, steps: int = 200, batch_size: int = 8,
+                 seq_len: int = 192, lr: float = 1e-3, anchors: int = 16, gamma: float | None = None, seed: int = 0,
+                 device="cpu", log=print, save_every: int = 50, progress: bool = True, max_seconds: float | None = None,
+                 autocast: str = "auto"):
+    """anchors: blocks per sequence and step, drawn at random among the window's `seq_len` anchors."""
+    from verispec.drafters.dflash import block_logits_for_anchors, position_weights
+
+    cols = data.columns(model.feature_layers, model.hidden).to(device)
+    model.embed = model.embed.to(device)
+    weights = position_weights(model.block_size, gamma)
+    trainer = Trainer(model, data, vocab, work, steps, batch_size, seq_len, lr, seed, device, log, save_every, progress,
+                      max_seconds, autocast)
+
+    def loss_fn(batch):
+        Q = batch["anchors"].shape[1]
+        pick = torch.randperm(Q)[:anchors].sort().values.to(batch["anchors"].device)
+        batch = {**batch, "anchors": batch["anchors"][:, pick], "anchor_mask": batch["anchor_mask"][:, pick]}
+        lg = block_logits_for_anchors(model, batch["tokens"], batch["feats"].index_select(-1, cols).float(),
+                                      batch["anchors"])
+        total, agree = 0.0, []
+        for i, w in enumerate(weights, start=1):
+            s, a, n = soft_ce(lg[:, :, i - 1], *shifted_labels(batch, i), trainer.t2d, trainer.d2t)
+            a, n = distributed.total(a), distributed.total(n)  # the global batch's counts
+            total = total + w * s * distributed.world() / n.clamp_min(1)
             agree.append(float(a / n.clamp_min(1)))
         return total, agree
 

@@ -1,4 +1,4 @@
-"""`verispec train eagle|medusa`: every stage in order, each skipped when its output exists.
+"""`verispec train eagle|medusa|dflash`: every stage in order, each skipped when its output exists.
 
     answers.jsonl          self-distillation (data.py)
     features/shard_*.pt    prefill features + target top-k distributions (extract.py); the layers of
@@ -19,7 +19,7 @@ import torch
 
 from verispec.errors import InvalidParameter
 
-KINDS = ("eagle", "medusa")
+KINDS = ("eagle", "medusa", "dflash")
 
 
 @dataclass
@@ -41,6 +41,9 @@ class TrainConfig:
     draft_vocab: int = 2048
     medusa_heads: int = 4
     layout: str = "verispec"         # eagle: "eagle3" trains EAGLE-3's layer (exportable to vLLM / SGLang)
+    block_size: int = 8              # dflash: the pending token + block_size - 1 drafted positions
+    dflash_layers: int = 2           # dflash: drafter layers
+    block_anchors: int = 32          # dflash: blocks per sequence and step, drawn among the window's seq-len anchors
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
@@ -62,12 +65,15 @@ class TrainConfig:
 def _check(cfg: TrainConfig) -> None:
     if cfg.kind not in KINDS:
         raise InvalidParameter(f"unknown head kind '{cfg.kind}'; use one of {', '.join(KINDS)}")
-    for name in ("prompts", "steps", "batch_size", "seq_len", "ttt_steps", "draft_vocab", "medusa_heads", "gen_batch",
+    for name in ("prompts", "steps", "batch_size", "seq_len", "ttt_steps", "draft_vocab", "medusa_heads", "gen_batch", "dflash_layers",
+                 "block_anchors",
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.layout not in ("verispec", "eagle3"):
         raise InvalidParameter(f"unknown layout '{cfg.layout}'; use verispec or eagle3")
+    if cfg.block_size < 2:
+        raise InvalidParameter(f"block-size must be >= 2 (the pending token and one drafted position), got {cfg.block_size}")
     if cfg.feature_backend not in ("hf", "fast"):
         raise InvalidParameter(f"unknown feature backend '{cfg.feature_backend}'; use hf or fast")
     if cfg.seq_len < cfg.ttt_steps + 2:
@@ -86,14 +92,15 @@ def _check(cfg: TrainConfig) -> None:
 
 def run(cfg: TrainConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the exported head's config."""
-    from verispec.drafters.eagle import EagleDrafter, EagleHead, default_feature_layers
+    from verispec.drafters.dflash import BlockDrafterModel
+    from verispec.drafters.eagle import EagleHead, default_feature_layers
     from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
     from verispec.heads import save_head
     from verispec.models import load_model
     from verispec.train.data import default_data_dir, generate_answers, split_heldout, training_prompts
     from verispec.train.evaluate import eval_sets, evaluate_head
     from verispec.train.extract import FeatureSet, extract_features
-    from verispec.train.loops import train_eagle, train_medusa
+    from verispec.train.loops import train_dflash, train_eagle, train_medusa
     from verispec.train.vocab import coverage, draft_vocab_for
 
     from verispec.train import distributed
@@ -163,8 +170,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
     log(f"draft vocabulary: {d2t.numel()} tokens, {cov:.1%} of answer tokens")
 
     lm = target.model.get_output_embeddings().weight.detach().float().cpu()
-    if cfg.kind == "eagle":
-        module = EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout))
+    if cfg.kind in ("eagle", "dflash"):
+        module = (EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout)) if cfg.kind == "eagle" else
+                  BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers)))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
             module.lm_head.weight.copy_(lm[d2t])
@@ -181,6 +189,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                   device=cfg.device, log=log, progress=cfg.progress, autocast=cfg.train_precision)
     if cfg.kind == "eagle":
         history = train_eagle(module, data, target.vocab_size, work / state, ttt_steps=cfg.ttt_steps, **common)
+    elif cfg.kind == "dflash":
+        history = train_dflash(module, data, target.vocab_size, work / state, anchors=cfg.block_anchors, **common)
     else:
         history = train_medusa(module, data, target.vocab_size, work / state, **common)
     timings["train_s_this_run"] = round(time.perf_counter() - t0, 1)
@@ -211,8 +221,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
         evaluated = target if cfg.eval_dtype == cfg.dtype else load_model(cfg.target, dtype=cfg.eval_dtype, device=cfg.device)
         sets = eval_sets(evaluated, heldout, cfg.eval_prompts, cfg.eval_bench, seed=cfg.seed)
         module.to(evaluated.device)
+        chain = {"draft_length": cfg.block_size - 1} if cfg.kind == "dflash" else {}  # the whole block: drafted at once
         config["training"]["heldout"] = evaluate_head(evaluated, cfg.kind, module, sets, max_new_tokens=cfg.eval_tokens,
-                                                      steps=max(cfg.ttt_steps, 6), log=log)
+                                                      steps=max(cfg.ttt_steps, 6), log=log, **chain)
         timings["eval_s"] = round(time.perf_counter() - t0, 1)
         log(f"held-out overall: {json.dumps(config['training']['heldout']['overall'])}")
         module.cpu()

@@ -1,0 +1,307 @@
+"""Block drafter (DFlash-style): a few transformer layers that propose a whole block in ONE forward.
+
+After DFlash (Chen, Liang, Liu 2026, "DFlash: Block Diffusion for Flash Speculative Decoding",
+arXiv 2602.06036). The target's hidden states from a low, a middle and a high layer (the layers the
+EAGLE head reads, handed over by the engine the same way: Engine -> drafter.observe_features) are
+concatenated and fused by a projection and a norm into one context feature c_t per committed position
+t. Every drafter layer injects the context as extra keys and values: its own k/v projections applied to
+c_0..c_{n-1} (cached, one entry per committed position, computed once), beside the keys and values of
+the block itself. The block is [the pending token, MASK slots 1..B-1] at positions n..n+B-1 (every row reads the pending token and
+c_{n-1} through an input projection, as EAGLE's input does; the slots add their own embedding) (the pending
+token is the last token of the context, not yet in the target's cache), with attention bidirectional
+inside the block and over the whole committed prefix from position 0; MASK slot i's output gives,
+through a norm and an LM head, the distribution of the token at its own position. One forward over B
+rows drafts B-1 tokens, whatever the draft length.
+
+Embedding: the target's own (frozen, not saved). LM head: a reduced draft vocabulary whose rows start
+as the target's LM-head rows and its final norm (as the EAGLE head's): the full 49k-row LM head over B
+rows would cost a few ms per block on this CPU, more than the drafter's layers.
+
+Verification: a chain is each position's argmax (greedy) or a draw from each position's q (sampling;
+q goes with the proposal), and a tree takes each position's top-k tokens as the children of every node
+at that depth (drafters/medusa.PositionDrafting, shared with Medusa); the project's acceptance rules
+apply unchanged, so the output is the target's exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.drafters.eagle import RMSNorm, _rotate, default_feature_layers
+from verispec.drafters.medusa import PositionDrafting
+from verispec.errors import HeadMismatch
+from verispec.types import SamplingParams, StepResult
+
+
+class BlockLayer(nn.Module):
+    """One pre-norm decoder layer whose attention also reads the injected context keys/values."""
+
+    def __init__(self, H: int, n_heads: int, n_kv: int, head_dim: int, inter: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.ln1, self.ln2 = RMSNorm(H), RMSNorm(H)
+        self.q = nn.Linear(H, n_heads * head_dim, bias=False)
+        self.k = nn.Linear(H, n_kv * head_dim, bias=False)
+        self.v = nn.Linear(H, n_kv * head_dim, bias=False)
+        self.o = nn.Linear(n_heads * head_dim, H, bias=False)
+        self.gate = nn.Linear(H, inter, bias=False)
+        self.up = nn.Linear(H, inter, bias=False)
+        self.down = nn.Linear(inter, H, bias=False)
+
+
+class BlockDrafterModel(nn.Module):
+    """The trainable drafter. `config` is its config.json (see heads/__init__.py)."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        H = int(config["target"]["hidden_size"])
+        self.hidden = H
+        self.n_heads, self.n_kv, self.head_dim = int(config["num_heads"]), int(config["num_kv_heads"]), int(config["head_dim"])
+        self.block_size = int(config["block_size"])
+        self.feature_layers = [int(i) for i in config["feature_layers"]]
+        inter, vd = int(config["intermediate_size"]), int(config["draft_vocab_size"])
+        self.fc = nn.Linear(len(self.feature_layers) * H, H, bias=False)
+        self.norm_c = RMSNorm(H)
+        self.norm_e = RMSNorm(H)
+        self.inp = nn.Linear(2 * H, H, bias=False)
+        self.mask_embed = nn.Parameter(torch.zeros(self.block_size - 1, H))  # one per slot: slots differ from the start
+        self.layers = nn.ModuleList(BlockLayer(H, self.n_heads, self.n_kv, self.head_dim, inter)
+                                    for _ in range(int(config["num_layers"])))
+        self.norm = RMSNorm(H)
+        self.lm_head = nn.Linear(H, vd, bias=False)
+        self.register_buffer("d2t", torch.arange(vd, dtype=torch.long))
+        theta = float(config.get("rope_theta", 10000.0))
+        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.embed: torch.Tensor | None = None  # the target's embedding table (frozen, not saved)
+        self._packed: dict[str, torch.Tensor] | None = None
+        for layer in self.layers:  # residual branches start at zero: every layer starts as the identity,
+            nn.init.zeros_(layer.o.weight)  # so the first logits are flat (loss ~ log Vd), not confident noise
+            nn.init.zeros_(layer.down.weight)
+
+    @staticmethod
+    def make_config(target, draft_vocab_size: int, block_size: int = 8, num_layers: int = 2,
+                    feature_layers: list[int] | None = None, intermediate_size: int | None = None) -> dict:
+        from verispec.heads import target_identity
+
+        cfg = target.model.config
+        H = int(cfg.hidden_size)
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or H // heads)
+        rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        return {"kind": "dflash", "target": target_identity(target), "block_size": int(block_size),
+                "num_layers": int(num_layers),
+                "feature_layers": feature_layers or default_feature_layers(int(cfg.num_hidden_layers)),
+                "num_heads": heads, "num_kv_heads": int(cfg.num_key_value_heads), "head_dim": head_dim,
+                "intermediate_size": int(intermediate_size or cfg.intermediate_size),
+                "draft_vocab_size": int(draft_vocab_size), "rope_theta": float(rope or 10000.0)}
+
+    def attach_embedding(self, weight: torch.Tensor) -> None:
+        self.embed = weight.detach()
+
+    def pack_for_inference(self, dtype: torch.dtype) -> None:
+        """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (as
+        EagleHead.pack_for_inference); training and saving never see the copies."""
+        from verispec.fast.packed import linear_for
+
+        pack, lin = linear_for(dtype, self.fc.weight.device)
+        if lin is F.linear and dtype == self.fc.weight.dtype:
+            self._packed = None
+            return
+        self._packed = {name: pack(m.weight.detach().to(dtype)) for name, m in self.named_modules()
+                        if isinstance(m, nn.Linear)}
+        self._packed_linear, self._packed_dtype = lin, dtype
+
+    def lin(self, name: str, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            return module(x)
+        flat = x.reshape(-1, x.shape[-1]).to(self._packed_dtype)
+        out = self._packed_linear(flat, self._packed[name])
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+    # ---- the pieces shared by inference (BlockDrafter) and training (train/loops.py)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., T, len(layers) * H] -> fused context features c [..., T, H]."""
+        return self.norm_c(self.lin("fc", self.fc, features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """c [..., T, H] at positions pos [..., T] -> per layer (k, v) [..., nkv, T, hd] (k rotated)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            k = self.lin(f"layers.{i}.k", layer.k, c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            v = self.lin(f"layers.{i}.v", layer.v, c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            out.append((_rotate(k, pos, self.inv_freq), v))
+        return out
+
+    def block_inputs(self, pending: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """pending [...] token ids, last [..., H] the context feature of the last committed position ->
+        block inputs [..., B, H]: every row starts from inp([norm(embed(pending)); last]) (EAGLE's input:
+        the pending token with the latest feature), the MASK slots 1..B-1 add their own embedding. Giving
+        every row both directly spares the slots learning to find them by attention first, which a
+        CPU-sized training run cannot wait for (the pending token's embedding alone in row 0, as in
+        DFlash, learnt next to nothing in 170 steps here)."""
+        e = self.norm_e(F.embedding(pending, self.embed).to(self.mask_embed.dtype))
+        fused = self.lin("inp", self.inp, torch.cat([e, last.to(e.dtype)], dim=-1))
+        slots = torch.cat([self.mask_embed.new_zeros(1, self.hidden), self.mask_embed], dim=0)
+        return fused[..., None, :] + slots
+
+    def blocks(self, x: torch.Tensor, pos: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """x [b, R, H] block rows at positions pos [b, R]; ctx per layer (k, v) [b, nkv, S, hd]; mask
+        [b, 1, R, S + R] (True = visible) or None (all visible) -> logits [b, R, Vd] over the draft vocabulary."""
+        for i, layer in enumerate(self.layers):
+            h = layer.ln1(x)
+            q = self.lin(f"layers.{i}.q", layer.q, h).unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
+            k = self.lin(f"layers.{i}.k", layer.k, h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            v = self.lin(f"layers.{i}.v", layer.v, h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            q, k = _rotate(q, pos, self.inv_freq), _rotate(k, pos, self.inv_freq)
+            K = torch.cat([ctx[i][0].to(k.dtype), k], dim=-2)
+            V = torch.cat([ctx[i][1].to(v.dtype), v], dim=-2)
+            rep = self.n_heads // self.n_kv
+            attn = F.scaled_dot_product_attention(q, K.repeat_interleave(rep, -3), V.repeat_interleave(rep, -3),
+                                                  attn_mask=mask)
+            x = x + self.lin(f"layers.{i}.o", layer.o, attn.transpose(-3, -2).flatten(-2))
+            h = layer.ln2(x)
+            x = x + self.lin(f"layers.{i}.down", layer.down,
+                             F.silu(self.lin(f"layers.{i}.gate", layer.gate, h)) * self.lin(f"layers.{i}.up", layer.up, h))
+        return self.lin("lm_head", self.lm_head, self.norm(x)).float()
+
+
+def load_block_drafter(target, head: str | Path | None = None, device=None) -> BlockDrafterModel:
+    """The block drafter at `head` (default: the one shipped for the target), checked against the target."""
+    from verispec.heads import check_target, load_head_files, resolve_head
+
+    path = resolve_head(target, "dflash", head)
+    config, tensors = load_head_files(path, "dflash")
+    check_target(config, target, where=f"the dflash drafter at '{path}'")
+    module = BlockDrafterModel(config)
+    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+                                                 strict=False)
+    if missing or unexpected:
+        raise HeadMismatch(f"the dflash drafter at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
+    module.attach_embedding(target.model.get_input_embeddings().weight)
+    return module.to(device or target.device).eval()
+
+
+class BlockDrafter(PositionDrafting):
+    """The drafter: a cache of the context keys/values per layer for the committed positions, and one
+    block forward per proposal."""
+
+    name = "dflash"
+    needs_target_features = True
+
+    def __init__(self, model: BlockDrafterModel, target_vocab_size: int, weights_dtype: torch.dtype | None = None):
+        self.model = model.eval()
+        if weights_dtype is not None:
+            model.pack_for_inference(weights_dtype)
+        self.vocab = int(target_vocab_size)
+        self.feature_layers = list(model.feature_layers)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.d2t = model.d2t.to(self.device)
+        self.params, self.generator = SamplingParams(), None
+        self.reset()
+
+    @classmethod
+    def for_target(cls, target, head: str | Path | None = None) -> "BlockDrafter":
+        return cls(load_block_drafter(target, head), target.vocab_size, weights_dtype=target.dtype)
+
+    @property
+    def positions(self) -> int:
+        return self.model.block_size - 1
+
+    def reset(self) -> None:
+        m = self.model
+        self.n = 0  # committed positions whose context entries are cached
+        self.K = [torch.zeros(1, m.n_kv, 0, m.head_dim, dtype=self.dtype, device=self.device) for _ in m.layers]
+        self.V = [k.clone() for k in self.K]
+        self.features: list[torch.Tensor] = []
+        self.n_features = 0
+        self.last: torch.Tensor | None = None  # context feature of position n - 1
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.reset()
+        self.params, self.generator = params, generator
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
+        self.features.append(features.to(self.device))
+        self.n_features += int(features.shape[0])
+
+    def observe(self, result: StepResult) -> None:
+        pass  # the block is not cached: the next proposal starts from the committed context alone
+
+    def _grow(self, need: int) -> None:
+        have = self.K[0].shape[2]
+        if need <= have:
+            return
+        size = max(need, 2 * have, 256)
+        for store in (self.K, self.V):
+            for i, t in enumerate(store):
+                new = t.new_zeros(1, t.shape[1], size, t.shape[3])
+                new[:, :, :have] = t
+                store[i] = new
+
+    @torch.inference_mode()
+    def block_logits(self, context: list[int]) -> torch.Tensor | None:
+        """Append the context entries of the new features, then one block forward -> logits [B-1, Vd] of
+        the B-1 tokens after the pending one (context[-1]), or None when the features do not cover the
+        context (the drafter then proposes nothing)."""
+        if self.features:
+            feats = torch.cat(self.features, dim=0)
+            self.features = []
+            start, end = self.n, self.n + int(feats.shape[0])
+            self._grow(end)
+            pos = torch.arange(start, end, device=self.device)
+            c = self.model.context(feats[None])
+            for i, (k, v) in enumerate(self.model.context_kv(c, pos[None])):
+                self.K[i][:, :, start:end], self.V[i][:, :, start:end] = k, v
+            self.last = c[:, -1]
+            self.n = end
+        if self.n != len(context) - 1 or self.n == 0:
+            return None
+        m = self.model
+        x = m.block_inputs(torch.tensor([context[-1]], device=self.device), self.last)
+        pos = torch.arange(self.n, self.n + m.block_size, device=self.device)[None]
+        ctx = [(k[:, :, : self.n], v[:, :, : self.n]) for k, v in zip(self.K, self.V)]
+        return m.blocks(x, pos, ctx, None)[0, 1:]
+
+
+def block_logits_for_anchors(model: BlockDrafterModel, tok: torch.Tensor, feats: torch.Tensor,
+                             anchors: torch.Tensor) -> torch.Tensor:
+    """The training (and teacher-forced evaluation) forward: tok [b, S], feats [b, S, F] (the model's
+    feature columns), anchors [b, Q] (EAGLE's numbering: at anchor t the committed prefix is 0..t and
+    the pending token is x_{t+1}) -> logits [b, Q, B-1, Vd]; slot i (1-based) predicts x_{t+1+i}, i.e.
+    the target's distribution at position t + i (train/loops.shifted_labels(batch, i)).
+
+    Every block sees the context entries of positions 0..t (the whole prefix, as the drafter's cache
+    holds at inference) and its own B rows; anchors whose pending token lies past S read a clamped
+    token (their labels are masked)."""
+    b, S = tok.shape
+    Q, B = anchors.shape[1], model.block_size
+    dev = tok.device
+    c = model.context(feats)
+    ctx = model.context_kv(c, torch.arange(S, device=dev).expand(b, S))
+    pending = tok.gather(1, (anchors + 1).clamp_max(S - 1))
+    x = model.block_inputs(pending, c.gather(1, anchors[:, :, None].expand(b, Q, c.shape[-1]))).flatten(1, 2)  # [b, Q*B, H]
+    pos = ((anchors + 1)[:, :, None] + torch.arange(B, device=dev)).flatten(1)
+    see_ctx = torch.arange(S, device=dev)[None, None, :] <= anchors.repeat_interleave(B, 1)[:, :, None]  # [b, QB, S]
+    blk = torch.arange(Q, device=dev).repeat_interleave(B)
+    see_blk = (blk[:, None] == blk[None, :]).expand(b, Q * B, Q * B)
+    mask = torch.cat([see_ctx, see_blk], dim=-1)[:, None]
+    return model.blocks(x, pos, ctx, mask).unflatten(1, (Q, B))[:, :, 1:]
+
+
+def position_weights(block_size: int, gamma: float | None = None) -> list[float]:
+    """Loss weight of block slot i = 1..B-1: exp(-(i-1)/gamma), DFlash's decay that favours the early
+    positions (an early miss ends the accepted run, so later positions matter less); gamma defaults to
+    (B-1)/2."""
+    gamma = gamma or max(1.0, (block_size - 1) / 2)
+    return [math.exp(-(i - 1) / gamma) for i in range(1, block_size)]
