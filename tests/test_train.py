@@ -376,3 +376,31 @@ def test_training_returns_freed_memory_to_the_system():
     from verispec.train.pipeline import return_freed_memory
 
     assert return_freed_memory()
+
+
+def test_labels_end_where_an_answer_starts_looping(tiny, tmp_path):
+    """--loop-ngram: an answer that falls into a repetition loop gives labels (and anchors) only before the
+    loop starts; the tokens of the loop stay out of training; a loop-free answer keeps them all."""
+    from verispec.train.extract import loop_free_length
+
+    assert loop_free_length([1, 2, 3, 4, 5], 2) == 5
+    assert loop_free_length([1, 2, 3, 1, 2, 3, 1, 2], 3) == 3  # the second "1 2 3" starts at 3
+    assert loop_free_length([7, 7, 7, 7], 2) == 1
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(1, V, (10,), generator=g).tolist()
+    fresh = torch.randint(1, V, (12,), generator=g).tolist()
+    looped = {"id": "loop", "source": "test", "prompt_ids": prompt, "answer_ids": fresh + [5, 6, 7, 8] * 6}
+    clean = {"id": "clean", "source": "test", "prompt_ids": prompt, "answer_ids": list(range(1, 31))}
+    L = tiny.model.config.num_hidden_layers
+    paths = extract_features(tiny, [looped, clean], tmp_path, sorted(set(default_feature_layers(L)) | {L}), progress=False)
+    cut = loop_free_length(looped["answer_ids"], 4)
+    assert cut == 16
+    data = FeatureSet(paths, loop_ngram=4)
+    assert data.ends == [10 + cut, 10 + 30]
+    assert FeatureSet(paths).ends == data.lengths
+    for seed in range(5):
+        b = data.batch([0, 1], seq_len=64, rng=torch.Generator().manual_seed(seed))
+        labelled = b["label_mask"][0].nonzero().flatten()
+        assert labelled.max() + 1 < 10 + cut and labelled.min() + 1 >= 10  # label t is token t + 1
+        assert int(b["anchors"][0][b["anchor_mask"][0]].max()) + 2 <= 10 + cut
+        assert int(b["label_mask"][1].sum()) == 30  # the clean answer: every answer token a label

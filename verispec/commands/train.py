@@ -55,6 +55,7 @@ def _command(kind: str):
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
         feature_backend: str = typer.Option("hf", "--feature-backend", help="hf (transformers) or fast (verispec's forward) for the feature pass."),
         max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this much wall time (the learning rate anneals by then)."),
+        loop_ngram: int = typer.Option(16, "--loop-ngram", help="Train only on answer tokens before the answer repeats an earlier n-gram of this length (0: all)."),
         train_precision: str = typer.Option("auto", "--train-precision", help="auto (bf16 autocast where the CPU has bf16 units), bfloat16 or float32."),
         heldout_share: float = typer.Option(0.05, "--heldout-share", help="Share of every source's answers held out, never trained on."),
         eval_prompts: int = typer.Option(4, "--eval-prompts", help="Held-out prompts per source in the held-out figures."),
@@ -70,7 +71,7 @@ def _command(kind: str):
              lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, layout=layout, block_size=block_size,
              dflash_layers=dflash_layers, block_anchors=block_anchors, seed=seed, device=device,
              dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
-             eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes, train_precision=train_precision,
+             eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes, train_precision=train_precision, loop_ngram=loop_ngram,
              feature_backend=feature_backend)
 
     return cmd

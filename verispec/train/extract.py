@@ -70,6 +70,20 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
     return paths
 
 
+def loop_free_length(answer: list[int], n: int) -> int:
+    """How many leading tokens of `answer` come before it starts repeating itself: the start of the first
+    n-gram that already occurred earlier in the answer (len(answer) when none does). Greedy answers of a
+    small model that run to the length cap mostly end in such loops; training on them teaches the head
+    to continue loops, which the answers people read rarely contain."""
+    seen = set()
+    for i in range(len(answer) - n + 1):
+        g = tuple(answer[i:i + n])
+        if g in seen:
+            return i
+        seen.add(g)
+    return len(answer)
+
+
 def _fast_rows(runner, seq: list[int], topk: int):
     """One sequence through verispec's fast forward -> (features bf16, top-k ids int32, top-k probs fp16)."""
     runner.reset()
@@ -96,7 +110,7 @@ def _hf_rows(target, chunk: list[list[int]], layers: list[int], topk: int):
 class FeatureSet:
     """All shards in memory, with per-sequence offsets."""
 
-    def __init__(self, paths: list[Path]):
+    def __init__(self, paths: list[Path], loop_ngram: int = 0):
         parts = [torch.load(p) for p in paths]
         if not parts:
             raise ValueError("no feature shards to train on")
@@ -110,6 +124,11 @@ class FeatureSet:
         self.offsets = [0]
         for n in self.lengths:
             self.offsets.append(self.offsets[-1] + n)
+        # where each sequence's labels end: its length, or where the answer starts repeating itself
+        self.ends = list(self.lengths)
+        if loop_ngram:
+            for i, (n, pl, o) in enumerate(zip(self.lengths, self.prompt_lengths, self.offsets)):
+                self.ends[i] = pl + loop_free_length(self.tokens[o + pl: o + n].tolist(), loop_ngram)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -135,7 +154,7 @@ class FeatureSet:
         B, k = len(idx), self.topk_ids.shape[1]
         spans = []
         for i in idx:
-            n, pl = self.lengths[i], self.prompt_lengths[i]
+            n, pl = self.ends[i], self.prompt_lengths[i]
             first = max(0, pl - 2)                 # anchor t's step-1 label is token t + 2
             last_lo = max(first, n - 1 - seq_len)
             lo = first + int(torch.randint(0, last_lo - first + 1, (1,), generator=rng))
@@ -150,7 +169,7 @@ class FeatureSet:
         anchors = torch.zeros(B, Q, dtype=torch.long)
         am = torch.zeros(B, Q, dtype=torch.bool)
         for r, (i, (lo, hi)) in enumerate(zip(idx, spans)):
-            n, pl, o = self.lengths[i], self.prompt_lengths[i], self.offsets[i]
+            n, pl, o = self.ends[i], self.prompt_lengths[i], self.offsets[i]
             sl = slice(o, o + hi)
             tok[r, :hi], fe[r, :hi], ids[r, :hi], ps[r, :hi] = self.tokens[sl], self.feats[sl], self.topk_ids[sl], self.topk_p[sl]
             pos = torch.arange(hi)

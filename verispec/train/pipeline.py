@@ -50,6 +50,7 @@ class TrainConfig:
                                      # were 2-5x slower than float32 in transformers on this CPU)
     feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
     max_minutes: float | None = None # stop training after this much wall time; the learning rate anneals by then
+    loop_ngram: int = 16             # labels end where an answer starts repeating an earlier n-gram (0: never)
     train_precision: str = "auto"    # the training forward's autocast: auto = bf16 where the CPU has bf16 units
     max_positions: int | None = None # train on the first feature shards up to this many positions (a
                                      # learning curve's point); its training state is kept apart
@@ -82,6 +83,8 @@ def _check(cfg: TrainConfig) -> None:
         raise InvalidParameter(f"lr must be > 0, got {cfg.lr}")
     if cfg.gen_minutes is not None and cfg.gen_minutes < 0:
         raise InvalidParameter(f"gen-minutes must be >= 0, got {cfg.gen_minutes}")
+    if cfg.loop_ngram < 0:
+        raise InvalidParameter(f"loop-ngram must be >= 0, got {cfg.loop_ngram}")
     if cfg.train_precision not in ("auto", "bfloat16", "float32"):
         raise InvalidParameter(f"unknown train precision '{cfg.train_precision}'; use auto, bfloat16 or float32")
     if cfg.max_positions is not None and cfg.max_positions < 1:
@@ -156,9 +159,10 @@ def run(cfg: TrainConfig, log=print) -> dict:
     if cfg.max_positions:
         paths = paths[: max(1, shards_within(paths, cfg.max_positions))]
         records = records[: sum(len(torch.load(p)["ids"]) for p in paths)]  # shards hold records in order
-    data = FeatureSet(paths)
+    data = FeatureSet(paths, loop_ngram=cfg.loop_ngram)
     timings["features_s"] = round(time.perf_counter() - t0, 1)
-    log(f"features: {data.num_tokens} positions, layers {layers}")
+    log(f"features: {data.num_tokens} positions, layers {layers}; "
+        f"{sum(e - p for e, p in zip(data.ends, data.prompt_lengths))} answer positions before loops")
 
     if rank:
         distributed.barrier()  # rank 0 writes the vocabulary file first; the others read it
