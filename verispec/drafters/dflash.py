@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.eagle import RMSNorm, _rotate, default_feature_layers
+from verispec.drafters.eagle import FeatureQueue, RMSNorm, _rotate, default_feature_layers
 from verispec.drafters.medusa import PositionDrafting
 from verispec.errors import HeadMismatch
 from verispec.types import SamplingParams, StepResult
@@ -190,7 +190,7 @@ def load_block_drafter(target, head: str | Path | None = None, device=None) -> B
     return module.to(device or target.device).eval()
 
 
-class BlockDrafter(PositionDrafting):
+class BlockDrafter(FeatureQueue, PositionDrafting):
     """The drafter: a cache of the context keys/values per layer for the committed positions, and one
     block forward per proposal."""
 
@@ -222,18 +222,8 @@ class BlockDrafter(PositionDrafting):
         self.n = 0  # committed positions whose context entries are cached
         self.K = [torch.zeros(1, m.n_kv, 0, m.head_dim, dtype=self.dtype, device=self.device) for _ in m.layers]
         self.V = [k.clone() for k in self.K]
-        self.features: list[torch.Tensor] = []
-        self.n_features = 0
+        self.clear_features()
         self.last: torch.Tensor | None = None  # context feature of position n - 1
-
-    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
-        self.reset()
-        self.params, self.generator = params, generator
-
-    def observe_features(self, features: torch.Tensor) -> None:
-        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
-        self.features.append(features.to(self.device))
-        self.n_features += int(features.shape[0])
 
     def observe(self, result: StepResult) -> None:
         pass  # the block is not cached: the next proposal starts from the committed context alone
@@ -254,9 +244,8 @@ class BlockDrafter(PositionDrafting):
         """Append the context entries of the new features, then one block forward -> logits [B-1, Vd] of
         the B-1 tokens after the pending one (context[-1]), or None when the features do not cover the
         context (the drafter then proposes nothing)."""
-        if self.features:
-            feats = torch.cat(self.features, dim=0)
-            self.features = []
+        feats = self.take_features()
+        if feats is not None:
             start, end = self.n, self.n + int(feats.shape[0])
             self._grow(end)
             pos = torch.arange(start, end, device=self.device)

@@ -260,7 +260,37 @@ class HeadDrafting:
                 for parent, score, vr, tr in zip(parents, scores, vals, toks)]
 
 
-class EagleDrafter(HeadDrafting):
+class FeatureQueue:
+    """Target features handed over by the engine (observe_features) and not yet turned into the drafter's
+    cache entries; the EAGLE and block drafters share it."""
+
+    device: torch.device
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    def clear_features(self) -> None:
+        self.features: list[torch.Tensor] = []  # not yet turned into entries
+        self.n_features = 0                     # received so far (positions 0..n_features-1)
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.reset()
+        self.params, self.generator = params, generator
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
+        self.features.append(features.to(self.device))
+        self.n_features += int(features.shape[0])
+
+    def take_features(self) -> torch.Tensor | None:
+        """The queued features as one [m, F] tensor (the queue empties), or None when there are none."""
+        if not self.features:
+            return None
+        feats = torch.cat(self.features, dim=0)
+        self.features = []
+        return feats
+
+
+class EagleDrafter(FeatureQueue, HeadDrafting):
     name = "eagle"
     needs_target_features = True
 
@@ -287,18 +317,8 @@ class EagleDrafter(HeadDrafting):
 
     def reset(self) -> None:
         self.n = 0                       # committed entries in the head's cache (positions 0..n-1)
-        self.features: list[torch.Tensor] = []  # target features not yet turned into entries
-        self.n_features = 0              # target features received (positions 0..n_features-1)
+        self.clear_features()
         self.h_last: torch.Tensor | None = None  # head output at position n-1
-
-    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
-        self.reset()
-        self.params, self.generator = params, generator
-
-    def observe_features(self, features: torch.Tensor) -> None:
-        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
-        self.features.append(features.to(self.device))
-        self.n_features += int(features.shape[0])
 
     def observe(self, result: StepResult) -> None:
         pass  # drafted entries live in scratch slots past the committed ones; the next sync overwrites them
@@ -331,9 +351,8 @@ class EagleDrafter(HeadDrafting):
     def sync(self, context: list[int]) -> torch.Tensor | None:
         """Append the committed entries the new features allow -> the head output at the last one
         (position len(context) - 2, whose logits give the first draft token), or None without features."""
-        if self.features:
-            feats = torch.cat(self.features, dim=0)
-            self.features = []
+        feats = self.take_features()
+        if feats is not None:
             start, end = self.n, self.n + int(feats.shape[0])
             if end > len(context) - 1:
                 raise ValueError(f"the drafter holds features for {end} positions but the context has {len(context)} tokens")

@@ -31,13 +31,7 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
     if backend not in ("hf", "fast"):
         raise ValueError(f"unknown feature backend {backend!r}; use 'hf' or 'fast'")
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = None
-    if backend == "fast":
-        from verispec.fast.runner import FastRunner
-
-        longest = max((len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records), default=1)
-        runner = FastRunner(target.model, capacity=longest, exact=False)
-        runner.feature_layers = tuple(layers)
+    runner = None  # the fast backend's runner, built when a shard needs it (a rerun may need none)
     shards = [records[i:i + shard_size] for i in range(0, len(records), shard_size)]
     paths = []
     it = range(len(shards))
@@ -56,6 +50,12 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
             if old.get("ids") == ids and old["layers"] == list(layers) and old.get("backend", "hf") == backend:
                 continue  # done before; a shard whose records or backend changed is redone
         seqs = [r["prompt_ids"] + r["answer_ids"] for r in shards[s]]
+        if backend == "fast" and runner is None:
+            from verispec.fast.runner import FastRunner
+
+            longest = max(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records)
+            runner = FastRunner(target.model, capacity=longest, exact=False)
+            runner.feature_layers = tuple(layers)
         if runner is not None:
             rows = [_fast_rows(runner, x, topk) for x in seqs]
         else:
