@@ -184,8 +184,9 @@ class Engine:
         nodes = _Nodes.of(out.context[-1], proposal, room - 1)
         base = self.runner.length
         scores = self.runner.forward(nodes.ids, tree=nodes.tree, features=self.features)
-        n = len(nodes.drafted) + 1
-        result = verify(nodes.drafted, nodes.parents, nodes.draft_probs, scores.logits[:n], params, generator)
+        n = len(nodes.ids) - nodes.aux  # the pending token and the drafted nodes
+        logits = scores.logits[:n] if nodes.aux else scores.logits
+        result = verify(nodes.drafted, nodes.parents, nodes.draft_probs, logits, params, generator)
         if nodes.aux:
             result = replace(result, aux_logits=scores.logits[n:])
         path = [0] + [i + 1 for i in result.accepted_nodes]  # rows of the pending token and the accepted nodes
