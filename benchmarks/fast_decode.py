@@ -80,16 +80,17 @@ def packing(on: bool):
             os.environ["VERISPEC_PACKED"] = before
 
 
-def forward_cost(runner, context: list[int], n: int, repeat: int) -> float:
-    """Median seconds of one forward over n new positions after `context`, rolled back each time."""
-    runner.reset()
+def forward_cost(runner, context: list[int], n: int, repeat: int, mode=None) -> float:
+    """Median seconds of one forward over n new positions after `context`, rolled back each time;
+    mode: the fast runner's PassMode (None: the last generation's)."""
+    runner.reset(mode=mode) if mode is not None else runner.reset()
     runner.forward(context, last_only=True)
     base = runner.length
     ids = context[:n]
 
     def one():
         runner.forward(ids)
-        runner.crop(base)
+        runner.rollback(base)
 
     one()  # warm (and compile) the shape
     return _timed(one, repeat)
@@ -151,8 +152,8 @@ def main() -> None:
 
     from verispec.api import build_engine
     from verispec.models import load_model
-    from verispec.runner import HFRunner
-    from verispec.fast import FastRunner
+    from verispec.backends.fast import FastRunner, PassMode
+    from verispec.backends.transformers import HFRunner
     from verispec.types import SamplingParams
 
     if args.threads:
@@ -211,12 +212,16 @@ def main() -> None:
         for name, backend, opts in configs:
             with packing(opts.get("packed", True)):
                 target.weights = opts.get("weights", "bf16")
-                engine = build_engine(target, opts.get("method", "ar"), backend=backend,
+                runner = None
+                if backend == "fast":  # natural_rows False: every layer runs exact_bucket rows
+                    mode = PassMode.of(opts["exact"], opts.get("compile", False), opts.get("natural_rows", True))
+                    runner = FastRunner(target.model, capacity=target.context_length + 256, exact=mode,
+                                        exact_bucket=args.exact_bucket, compile=opts.get("compile", False),
+                                        weights=target.weights, weight_source=getattr(target, "weight_source", None))
+                engine = build_engine(target, opts.get("method", "ar"), backend=backend, runner=runner,
                                       **{k: v for k, v in opts.items() if k not in ("natural_rows", "packed", "weights", "method", "native")})
             if isinstance(engine.runner, FastRunner):
                 engine.runner.native = engine.runner.wide = opts.get("native", True)
-                engine.runner.exact_bucket = args.exact_bucket
-                engine.runner.natural_rows = opts.get("natural_rows", True)  # False: every layer runs 8 rows
             t0 = time.perf_counter()
             engine.generate(ids, SamplingParams(max_new_tokens=4))  # warm: compiles the buckets it meets
             warm[name] = time.perf_counter() - t0
@@ -237,13 +242,11 @@ def main() -> None:
                 engine = engines[name]
                 gen = engine.generate(ids, params)
                 runner = engine.runner
-                if isinstance(runner, FastRunner):
-                    runner.exact = bool(opts.get("exact"))
                 fwd = {n: forward_cost(runner, ctx, n, args.repeat) for n in args.positions} if "ngram" not in name else {}
                 if args.weights and fwd:  # and outside exact mode (fused attention, one native call per pass)
-                    runner.exact = False
-                    fwd.update({-n: forward_cost(runner, ctx, n, args.repeat) for n in args.positions})
-                    runner.exact = True
+                    loose = PassMode.of(False, opts.get("compile", False))
+                    fwd.update({-n: forward_cost(runner, ctx, n, args.repeat, loose) for n in args.positions})
+                    runner.reset(mode=PassMode.of(True, opts.get("compile", False)))
                 seen[name].append((gen.stats.new_tokens / gen.stats.total_time, fwd))
                 outputs[name] = gen.token_ids
         for name, got in seen.items():

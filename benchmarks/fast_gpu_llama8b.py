@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args()
 
-    from verispec.fast import FastRunner
+    from verispec.backends import TreeMask
+    from verispec.backends.fast import FastRunner
 
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     if device == "cpu" and not args.dry_run:
@@ -97,13 +98,13 @@ def main() -> None:
 
     # plain decoding: one token per forward, argmax fed back (no host sync inside a step)
     runner.reset()
-    logits = runner.forward(context, last_only=True)
+    logits = runner.forward(context, last_only=True).logits
     tok = logits.argmax(-1)
     runner.forward(tok)  # warm the 1-token shape
     sync(device)
     t = time.perf_counter()
     for _ in range(args.tokens):
-        tok = runner.forward(tok)[-1:].argmax(-1)
+        tok = runner.forward(tok).logits[-1:].argmax(-1)
     sync(device)
     per_token = (time.perf_counter() - t) / args.tokens
     print(f"plain decoding: {per_token * 1e3:.2f} ms/token ({1 / per_token:.0f} tok/s), "
@@ -127,11 +128,11 @@ def main() -> None:
 
     def one_token():
         runner.forward(ids[:1])
-        runner.crop(base)
+        runner.rollback(base)
 
     def tree():
-        runner.forward_tree(ids, anc, depths)
-        runner.crop(base)
+        runner.forward(ids, tree=TreeMask(anc, depths))
+        runner.rollback(base)
 
     t1 = timed(one_token, device, args.repeat)
     tn = timed(tree, device, args.repeat)

@@ -52,7 +52,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
-    from verispec.fast import FastRunner
+    from verispec.backends.fast import FastRunner
     from verispec.bench.harness import environment
     from verispec.models import load_model
     from verispec.tree import DynamicTree, StaticTree
@@ -64,24 +64,22 @@ def main() -> None:
     runners = {}
     for label, exact in (("exact", True), ("not_exact", False)):
         r = FastRunner(target.model, exact=exact)
-        r.prepare(params)
-        r.feature_layers = None
+        r.reset(params)
         runners[label] = r
     eagle = EagleDrafter.for_target(target)
     medusa = MedusaDrafter.for_target(target)
     feat_runner = FastRunner(target.model, exact=False)
-    feat_runner.feature_layers = tuple(sorted(set(eagle.feature_layers) | set(medusa.feature_layers)))
-    feat_runner.forward(torch.tensor(ctx))
-    feats = feat_runner.last_features
+    feature_layers = tuple(sorted(set(eagle.feature_layers) | set(medusa.feature_layers)))
+    feats = feat_runner.forward(torch.tensor(ctx), features=feature_layers).features
     cols = {}
     H = int(target.model.config.hidden_size)
     for name, layers in (("eagle", eagle.feature_layers), ("medusa", medusa.feature_layers)):
-        idx = [feat_runner.feature_layers.index(i) for i in layers]
+        idx = [feature_layers.index(i) for i in layers]
         cols[name] = torch.cat([torch.arange(i * H, (i + 1) * H) for i in idx])
 
     def target_step(label):
         r = runners[label]
-        r.crop(a.context)
+        r.rollback(a.context)
         r.forward(torch.tensor([ctx[-1]]))
 
     for r in runners.values():

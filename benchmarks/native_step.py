@@ -32,7 +32,8 @@ def main() -> None:
 
     from verispec.bench.harness import environment
     from verispec.bench.roofline import copy_bandwidth
-    from verispec.fast import FastRunner, native
+    from verispec.backends.fast import FastRunner
+    from verispec.fast import native
     from verispec.models import load_model
 
     print("native step:", native.status())
@@ -54,12 +55,12 @@ def main() -> None:
             got = {}
             for n in args.positions:
                 r.forward(ctx[:n])
-                r.crop(200)
+                r.rollback(200)
                 ts = []
                 for _ in range(args.repeat):
                     t = time.perf_counter()
                     r.forward(ctx[:n])
-                    r.crop(200)
+                    r.rollback(200)
                     ts.append(time.perf_counter() - t)
                 got[n] = statistics.median(ts)
             seen[key].append(got)

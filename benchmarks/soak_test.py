@@ -47,7 +47,7 @@ def cpu_name() -> str:
 
 
 def runners_phase(model_name: str, count: int, dtype: str) -> dict:
-    from verispec.fast import FastRunner
+    from verispec.backends.fast import FastRunner
     from verispec.models import load_model
 
     pid = os.getpid()

@@ -44,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from verispec.bench.harness import environment
-    from verispec.fast import FastRunner
+    from verispec.backends.fast import FastRunner
     from verispec.models import load_model
 
     target = load_model(args.model, dtype="bfloat16")
@@ -60,11 +60,11 @@ def main() -> None:
         for name, r in runners.items():
             got = {}
             r.reset()
-            got["prefill_ms"] = timed(lambda: (r.reset(), r.forward(ctx[:args.prefill], last_only=True)), 1) * 1e3
+            got["prefill_ms"] = timed(lambda: (r.reset(), r.forward(ctx[:args.prefill], last_only=True).logits), 1) * 1e3
             r.reset()
             r.forward(ctx[:200], last_only=True)
             for n in args.rows:
-                got[n] = timed(lambda: (r.forward(ctx[:n]), r.crop(200)), args.repeat) * 1e3
+                got[n] = timed(lambda: (r.forward(ctx[:n]).logits, r.rollback(200)), args.repeat) * 1e3
             seen[name].append(got)
     table = {name: {k: statistics.median(g[k] for g in got) for k in got[0]} for name, got in seen.items()}
     print(f"ms per forward over n new positions (not exact), {torch.get_num_threads()} thread(s)")

@@ -8,11 +8,13 @@ import itertools
 
 import torch
 
+from verispec.backends import Runner, Scores
+from verispec.drafters.base import Drafter
 from verispec.sampling import logits_to_probs, sample
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
-class TableLM:
+class TableLM(Runner):
     def __init__(self, vocab: int = 6, seed: int = 0, scale: float = 2.0):
         g = torch.Generator().manual_seed(seed)
         self.vocab = vocab
@@ -26,10 +28,10 @@ class TableLM:
         return self.table[a, b]
 
     # runner interface
-    def reset(self) -> None:
+    def reset(self, params=None) -> None:
         self.tokens, self.length = [], 0
 
-    def forward(self, ids, last_only: bool = False):
+    def forward(self, ids, tree=None, *, last_only: bool = False, features=()):
         ids = [int(i) for i in (ids.tolist() if torch.is_tensor(ids) else ids)]
         out = []
         for t in ids:
@@ -37,9 +39,9 @@ class TableLM:
             out.append(self.next_logits(self.tokens))
         self.length = len(self.tokens)
         logits = torch.stack(out)
-        return logits[-1:] if last_only else logits
+        return Scores(logits[-1:] if last_only else logits)
 
-    def crop(self, length: int) -> None:
+    def rollback(self, length: int) -> None:
         self.tokens = self.tokens[:length]
         self.length = len(self.tokens)
 
@@ -59,7 +61,7 @@ class TableLM:
         return dist
 
 
-class TableDrafter:
+class TableDrafter(Drafter):
     """Drafts k tokens by sampling a (different) table model, reporting its draft distribution q."""
 
     name = "table"
@@ -84,7 +86,7 @@ class TableDrafter:
         pass
 
 
-class FixedDrafter:
+class FixedDrafter(Drafter):
     """Point-mass drafts chosen by a rule: deterministic tokens, no probabilities."""
 
     name = "fixed"
@@ -102,7 +104,7 @@ class FixedDrafter:
         pass
 
 
-class DisjointDrafter:
+class DisjointDrafter(Drafter):
     """Samples from q = uniform over the tokens the target gives probability 0 (after top-k)."""
 
     name = "disjoint"

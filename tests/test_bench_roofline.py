@@ -73,8 +73,8 @@ def test_roofline_on_tiny_model(tmp_path):
 @pytest.mark.parametrize("backend", ["hf", "fast"])
 def test_forward_is_timed_on_the_fixed_context(backend, monkeypatch):
     """Every timed forward sees exactly `context` cached positions (forward then crop back)."""
-    from verispec.fast import FastRunner
-    from verispec.runner import HFRunner
+    from verispec.backends.fast import FastRunner
+    from verispec.backends.transformers import HFRunner
 
     cls = HFRunner if backend == "hf" else FastRunner
     seen = []

@@ -115,7 +115,7 @@ def test_sampling_with_the_target_behind_another_vocabulary_and_a_wrong_rule_fai
             res.tokens[-1] = int(torch.multinomial(target_probs[res.num_accepted], 1, generator=generator))
         return res
 
-    monkeypatch.setattr("verispec.engine.speculative_verify", no_residual)
+    monkeypatch.setattr("verispec.acceptance.speculative_verify", no_residual)
     wrong = draw(engine, N, prompt=prompt, **kw)
     assert min(chi_square_pvalue(wrong, exact), chi_square_pvalue(*marginals(wrong, exact, 0))) < ALPHA
 

@@ -26,7 +26,7 @@ def test_gemma3_with_smollm2_draft_equals_plain_greedy(dtype):
         ids = target.encode(prompt=text)
         plain = build_engine(target, "ar", backend="fast").generate(ids, params)
         engine = build_engine(target, "draft", draft=draft, draft_length=4, backend="fast")
-        assert isinstance(engine.drafter, CrossVocabularyDrafter) and engine.runner.exact
+        assert isinstance(engine.drafter, CrossVocabularyDrafter) and engine.runner.mode.exact
         got = engine.generate(ids, params)
         assert got.token_ids == plain.token_ids, text
         accepted += got.stats.accepted

@@ -116,7 +116,7 @@ def test_power_planted_bias_and_wrong_rule_fail(monkeypatch):
         return res
 
     right_rule = acceptance.speculative_verify
-    monkeypatch.setattr("verispec.engine.speculative_verify", no_residual)
+    monkeypatch.setattr("verispec.acceptance.speculative_verify", no_residual)
     wrong = draw(engine, N, **kw)
     p_joint = chi_square_pvalue(wrong, exact)
     p_first = chi_square_pvalue(*marginals(wrong, exact, 0))
@@ -132,7 +132,7 @@ def test_real_draft_model_on_tiny_transformers_models():
     with torch.no_grad():  # soften the logits so that several tokens are likely at each step
         target.lm_head.weight.mul_(0.15)
         draft.lm_head.weight.mul_(0.15)
-    from verispec.runner import HFRunner
+    from verispec.backends.transformers import HFRunner
 
     kw = dict(temperature=1.0, top_p=0.95)
     engine = Engine(HFRunner(target), set(), lambda ids: "", 512, drafter=DraftModelDrafter(draft, 8), draft_length=2)

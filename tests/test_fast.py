@@ -10,8 +10,10 @@ from conftest import loaded, tiny_gemma3, tiny_llama
 
 from verispec.api import build_engine
 from verispec.errors import InvalidParameter, UnsupportedModel
-from verispec.fast import FastRunner, make_runner, supports
-from verispec.runner import HFRunner
+from verispec.backends import TreeMask, make_runner
+from verispec.backends.fast import FastRunner
+from verispec.backends.transformers import HFRunner
+from verispec.fast import supports
 from verispec.types import SamplingParams
 
 
@@ -108,9 +110,9 @@ def test_logits_match_transformers(family, exact):
     ids = torch.randint(0, 32, (40,))  # longer than every sliding window above
     ref = _reference(model, ids)
     runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4, exact_max_rows=4)
-    last = runner.forward(ids[:17], last_only=True)  # prefill
+    last = runner.forward(ids[:17], last_only=True).logits  # prefill
     assert last.shape == (1, 32)
-    steps = [runner.forward(ids[17:18]), runner.forward(ids[18:27]), runner.forward(ids[27:])]  # 9 > bucket: chunked
+    steps = [runner.forward(ids[17:18]).logits, runner.forward(ids[18:27]).logits, runner.forward(ids[27:]).logits]  # 9 > bucket: chunked
     got = torch.cat([last] + steps)
     torch.testing.assert_close(got, ref[16:], atol=2e-5, rtol=1e-4)
     assert runner.length == 40
@@ -123,7 +125,7 @@ def test_logits_match_transformers_bfloat16(family):
     ref = _reference(model, ids)
     runner = FastRunner(model, capacity=64, exact=False)
     runner.forward(ids[:10], last_only=True)
-    got = torch.cat([runner.forward(ids[10:11]), runner.forward(ids[11:])])
+    got = torch.cat([runner.forward(ids[10:11]).logits, runner.forward(ids[11:]).logits])
     # bfloat16 keeps ~3 significant digits; logits here are O(10)
     torch.testing.assert_close(got, ref[10:], atol=0.15, rtol=0.02)
     assert (got.argmax(-1) == ref[10:].argmax(-1)).float().mean() > 0.9
@@ -136,16 +138,16 @@ def test_crop_then_new_tokens_equal_a_fresh_run(family):
     other = torch.randint(0, 32, (8,), generator=torch.Generator().manual_seed(4))
     runner = FastRunner(model, capacity=64, exact=False)
     runner.forward(ids)
-    runner.crop(14)
+    runner.rollback(14)
     assert runner.length == 14
-    got = runner.forward(other)
+    got = runner.forward(other).logits
     ref = _reference(model, torch.cat([ids[:14], other]))[14:]
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
-    runner.crop(100)  # cropping past the end keeps everything
+    runner.rollback(100)  # cropping past the end keeps everything
     assert runner.length == 22
     runner.reset()
     assert runner.length == 0
-    torch.testing.assert_close(runner.forward(ids[:5]), _reference(model, ids[:5]), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(runner.forward(ids[:5]).logits, _reference(model, ids[:5]), atol=2e-5, rtol=1e-4)
 
 
 def _tree():
@@ -181,17 +183,17 @@ def test_tree_logits_equal_each_path_alone_and_compact(family, exact):
     tokens = torch.tensor([7, 3, 11, 5, 30, 2, 19])
     runner = FastRunner(model, capacity=64, exact=exact, exact_bucket=4, exact_max_rows=4)  # 7 nodes > bucket: chunked tree
     runner.forward(prefix, last_only=True)
-    logits = runner.forward_tree(tokens, anc, depths)
+    logits = runner.forward(tokens, tree=TreeMask(anc, depths)).logits
     assert logits.shape == (7, 32) and runner.length == 16
     for leaf in (4, 5, 6):
         path = _path(parents, leaf)
         ref = _reference(model, torch.cat([prefix, tokens[path]]))[len(prefix):]
         torch.testing.assert_close(logits[path], ref, atol=2e-5, rtol=1e-4)
     # keep the path 0 -> 1 -> 3 -> 5, then continue: equal to having decoded that chain
-    runner.compact(9, [0, 1, 3, 5])
+    runner.commit(9, [0, 1, 3, 5])
     assert runner.length == 13
     nxt = torch.tensor([4, 8])
-    got = runner.forward(nxt)
+    got = runner.forward(nxt).logits
     ref = _reference(model, torch.cat([prefix, tokens[[0, 1, 3, 5]], nxt]))[-2:]
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
@@ -208,7 +210,7 @@ def test_compact_after_the_cache_grew():
     base = runner.length
     runner.forward(ids[:4])
     keys = [k[:, base + 2].clone() for k in runner.k]
-    runner.compact(base, [0, 2])
+    runner.commit(base, [0, 2])
     assert runner.length == base + 2
     assert all(torch.equal(k[:, base + 1], want) for k, want in zip(runner.k, keys))
 
@@ -221,15 +223,15 @@ def test_tree_start_grows_a_tree_over_several_calls():
     tokens = torch.tensor([7, 3, 11, 5, 30, 2, 19])
     whole = FastRunner(model, capacity=64, exact=False)
     whole.forward(prefix, last_only=True)
-    ref = whole.forward_tree(tokens, anc, depths)
+    ref = whole.forward(tokens, tree=TreeMask(anc, depths)).logits
     grown = FastRunner(model, capacity=64, exact=False)
     grown.forward(prefix, last_only=True)
     start = grown.length
-    part1 = grown.forward_tree(tokens[:3], anc[:3, :3], depths[:3])
-    part2 = grown.forward_tree(tokens[3:], anc[3:], depths, tree_start=start)
+    part1 = grown.forward(tokens[:3], tree=TreeMask(anc[:3, :3], depths[:3])).logits
+    part2 = grown.forward(tokens[3:], tree=TreeMask(anc[3:], depths, start)).logits
     torch.testing.assert_close(torch.cat([part1, part2]), ref, atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError):
-        grown.forward_tree(tokens[:2], anc[:2, :3], depths[:3])
+        grown.forward(tokens[:2], tree=TreeMask(anc[:2, :3], depths[:3]))
 
 
 def test_hf_and_fast_runner_agree_on_trees():
@@ -240,7 +242,7 @@ def test_hf_and_fast_runner_agree_on_trees():
     out = []
     for runner in (HFRunner(model), FastRunner(model, capacity=64)):
         runner.forward(prefix, last_only=True)
-        out.append(runner.forward_tree(tokens, anc, depths).float())
+        out.append(runner.forward(tokens, tree=TreeMask(anc, depths)).logits.float())
     torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=1e-4)
 
 
@@ -253,10 +255,10 @@ def test_exact_mode_logits_do_not_depend_on_how_tokens_share_a_pass():
         # kv_block 16: the passes attend over different lengths L (16, 32, ...) for the same positions
         one = FastRunner(model, capacity=128, exact=True, exact_bucket=8, kv_block=16)
         one.forward(ids[:10], last_only=True)
-        alone = torch.cat([one.forward(ids[i:i + 1]) for i in range(10, 60)])
+        alone = torch.cat([one.forward(ids[i:i + 1]).logits for i in range(10, 60)])
         many = FastRunner(model, capacity=128, exact=True, exact_bucket=8, kv_block=16)
         many.forward(ids[:10], last_only=True)
-        together = torch.cat([many.forward(ids[a:b]) for a, b in ((10, 13), (13, 20), (20, 21), (21, 37), (37, 60))])
+        together = torch.cat([many.forward(ids[a:b]).logits for a, b in ((10, 13), (13, 20), (20, 21), (21, 37), (37, 60))])
         assert torch.equal(alone, together), dtype
 
 
@@ -271,7 +273,7 @@ def test_exact_mode_is_right_when_a_pass_ends_on_the_attended_length(kv_block):
     ref = _reference(model, ids)
     runner = FastRunner(model, capacity=200, exact=True, kv_block=kv_block)
     runner.forward(ids[:1], last_only=True)
-    got = torch.cat([runner.forward(ids[i:i + 3]) for i in range(1, 79, 3)])
+    got = torch.cat([runner.forward(ids[i:i + 3]).logits for i in range(1, 79, 3)])
     torch.testing.assert_close(got, ref[1:79], atol=2e-5, rtol=1e-4)
 
 
@@ -286,7 +288,7 @@ def test_exact_mode_holds_across_attention_block_boundaries(dtype):
     for cuts in ([*range(740, 801)], [*range(740, 800, 6), 800]):
         runner = FastRunner(model, capacity=1400, exact=True, exact_bucket=8)
         runner.forward(ids[:740], last_only=True)
-        runs.append(torch.cat([runner.forward(ids[a:b]) for a, b in zip(cuts, cuts[1:])]))
+        runs.append(torch.cat([runner.forward(ids[a:b]).logits for a, b in zip(cuts, cuts[1:])]))
     assert torch.equal(runs[0], runs[1])
 
 
@@ -297,13 +299,13 @@ def test_capacity_is_enforced_and_prepare_follows_greedy():
     runner.forward(list(range(10)))
     with pytest.raises(InvalidPrompt):
         runner.forward(list(range(7)))
-    runner.prepare(SamplingParams(temperature=0.8))
-    assert runner.exact is False
-    runner.prepare(SamplingParams())
-    assert runner.exact is True
+    runner.reset(SamplingParams(temperature=0.8))
+    assert runner.mode.exact is False
+    runner.reset(SamplingParams())
+    assert runner.mode.exact is True
     fixed = FastRunner(tiny_llama(), capacity=16, exact=False)
-    fixed.prepare(SamplingParams())
-    assert fixed.exact is False
+    fixed.reset(SamplingParams())
+    assert fixed.mode.exact is False
 
 
 def test_backend_selection():
@@ -345,7 +347,7 @@ def test_engine_sampling_on_fast_backend_is_reproducible_and_uses_fast_mode():
     params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=30)
     engine = build_engine(target, "ngram", backend="fast")
     a = engine.generate([1, 2, 3, 1, 2, 3], params).token_ids
-    assert engine.runner.exact is False  # exact mode is for greedy only, unless asked for
+    assert engine.runner.mode.exact is False  # exact mode is for greedy only, unless asked for
     b = build_engine(target, "ngram", backend="fast").generate([1, 2, 3, 1, 2, 3], params).token_ids
     assert a == b and len(a) == 30 and all(0 <= t < 32 for t in a)
 
@@ -359,8 +361,8 @@ def test_compiled_step_matches_eager():
     comp = FastRunner(model, capacity=32, exact=False, compile=True, buckets=(4,))
     for r in (eager, comp):
         r.forward(ids[:8], last_only=True)
-    a = torch.cat([eager.forward(ids[8:11]), eager.forward(ids[11:14])])
-    b = torch.cat([comp.forward(ids[8:11]), comp.forward(ids[11:14])])
+    a = torch.cat([eager.forward(ids[8:11]).logits, eager.forward(ids[11:14]).logits])
+    b = torch.cat([comp.forward(ids[8:11]).logits, comp.forward(ids[11:14]).logits])
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
@@ -385,7 +387,7 @@ def test_exact_mode_tree_logits_are_bit_identical_to_chains(family, dtype):
     """Exact mode's layout-free attention (fast/canonical.py): every tree node's logits are the bits the
     same tokens get as a plain chain, though its ancestors sit at other cache slots; so is the step
     after compacting a path. Prefixes put the trees across 64-position cuts and past the first one.
-    Without it (FastRunner.canonical = False: fused SDPA over the tree slots) the float32 cases fail here
+    Without it (PassMode canonical False: fused SDPA over the tree slots) the float32 cases fail here
     (in bfloat16 the tiny models' activations round the difference away; SmolLM2's did not)."""
     model = FAMILIES[family]().to(dtype)
     for prefix_len, n, seed in ((150, 20, 1), (187, 24, 2), (40, 12, 3)):
@@ -395,17 +397,17 @@ def test_exact_mode_tree_logits_are_bit_identical_to_chains(family, dtype):
         parents, anc, depths = _random_tree(n, seed)
         runner = FastRunner(model, capacity=512, exact=True)
         runner.forward(prefix, last_only=True)
-        tree = runner.forward_tree(tokens, anc, depths)
+        tree = runner.forward(tokens, tree=TreeMask(anc, depths)).logits
         leaves = [i for i in range(n) if i not in parents]
         for leaf in leaves:
             path = _path(parents, leaf)
             chain = FastRunner(model, capacity=512, exact=True)
             chain.forward(prefix, last_only=True)
-            assert torch.equal(tree[path], chain.forward(tokens[path])), (family, dtype, prefix_len, leaf)
+            assert torch.equal(tree[path], chain.forward(tokens[path]).logits), (family, dtype, prefix_len, leaf)
         path = _path(parents, leaves[-1])
-        runner.compact(prefix_len, path)
+        runner.commit(prefix_len, path)
         chain = FastRunner(model, capacity=512, exact=True)
         chain.forward(prefix, last_only=True)
         chain.forward(tokens[path])  # the path's keys from an exact pass, as plain decoding makes them
         nxt = torch.tensor([3, 9, 4])
-        assert torch.equal(runner.forward(nxt), chain.forward(nxt))
+        assert torch.equal(runner.forward(nxt).logits, chain.forward(nxt).logits)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verispec.api import build_engine
-from verispec.fast import FastRunner
+from verispec.backends.fast import FastRunner
 from verispec.models.loader import from_model
 from verispec.types import SamplingParams
 
@@ -38,7 +38,7 @@ def _compare_logits(model, text_ids: list[int], atol: float):
         ref = model(input_ids=ids[None]).logits[0].float()
     runner = FastRunner(model, capacity=256, exact=False)
     k = len(text_ids) // 2
-    got = torch.cat([runner.forward(ids[:k], last_only=True), runner.forward(ids[k:k + 1]), runner.forward(ids[k + 1:])])
+    got = torch.cat([runner.forward(ids[:k], last_only=True).logits, runner.forward(ids[k:k + 1]).logits, runner.forward(ids[k + 1:]).logits])
     torch.testing.assert_close(got, ref[k - 1:], atol=atol, rtol=1e-3)
     assert torch.equal(got.argmax(-1), ref[k - 1:].argmax(-1))
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import loaded, tiny_gemma3, tiny_llama
+from verispec.drafters.base import Drafter
 from verispec.drafters.eagle import EagleDrafter, EagleHead
 from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
 from verispec.engine import Engine
@@ -145,12 +146,12 @@ def test_greedy_exact_gemma3_eagle():
             assert engine.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == want
 
 
-class _Spy:
+class _Spy(Drafter):
     """Wraps a feature-reading drafter and records the features the engine hands it."""
 
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name
-        self.needs_target_features, self.feature_layers = True, inner.feature_layers
+        self.can_tree, self.feature_layers = inner.can_tree, inner.feature_layers
         self.got = []
 
     def begin(self, *a):

@@ -78,7 +78,7 @@ def test_training_windows_equal_the_shipped_drafter_on_a_long_prompt(tmp_path):
     position 0, as the training windows of old, are far off on such a prompt (checked below)."""
     from verispec.bench.prompts import load_prompts
     from verispec.drafters.eagle import EagleDrafter
-    from verispec.fast import FastRunner
+    from verispec.backends.fast import FastRunner
     from verispec.models import load_model
     from verispec.train.extract import FeatureSet, extract_features
     from verispec.train.loops import eagle_unroll
@@ -103,15 +103,13 @@ def test_training_windows_equal_the_shipped_drafter_on_a_long_prompt(tmp_path):
 
     # inference: the target's features as the engine hands them over, the drafter's own cache
     runner = FastRunner(target.model, exact=True)
-    runner.feature_layers = tuple(head.feature_layers)
-    runner.prepare(SamplingParams())
-    runner.forward(torch.tensor(prompt[:-2]))
+    layers = tuple(head.feature_layers)
+    runner.reset(SamplingParams())
     drafter.begin(prompt, SamplingParams(), None)
-    drafter.observe_features(runner.last_features)
+    drafter.observe_features(runner.forward(torch.tensor(prompt[:-2]), features=layers).features)
     got = {}
     for t in range(len(prompt) - 2, len(seq) - 2):  # anchor t: context seq[:t + 2]
-        runner.forward(torch.tensor([seq[t]]))
-        drafter.observe_features(runner.last_features)
+        drafter.observe_features(runner.forward(torch.tensor([seq[t]]), features=layers).features)
         got[t] = head.logits(drafter.sync(seq[: t + 2]))
     rows = [(c, int(a)) for c, a in enumerate(batch["anchors"][0].tolist()) if batch["anchor_mask"][0, c] and int(a) in got]
     assert len(rows) == len(answer)

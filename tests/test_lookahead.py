@@ -11,7 +11,7 @@ import torch
 
 from conftest import loaded, tiny_gemma3, tiny_llama
 from test_tree_distribution import V, Table, TableRunner, check, fails
-from verispec import tree_acceptance
+from verispec import acceptance
 from verispec.api import build_engine
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.engine import Engine
@@ -127,12 +127,12 @@ def test_sampling_first_three_tokens_match_target(case):
 def test_sampling_without_the_residual_update_fails(monkeypatch):
     _, w, n, g, kw = CASES["n2_siblings"]
     target = Table(seed=0)
-    right = tree_acceptance._residual
-    monkeypatch.setattr(tree_acceptance, "_residual", lambda p, q: p)  # wrong on purpose: p keeps rejected tokens
+    right = acceptance._residual
+    monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)  # wrong on purpose: p keeps rejected tokens
     engine = Engine(TableRunner(target), set(), lambda ids: "", 1000,
                     drafter=LookaheadDrafter(window=w, ngram=n, candidates=g))
     samples, _ = draw(engine, N_SAMPLES, **kw)
-    assert right is not tree_acceptance._residual
+    assert right is not acceptance._residual
     assert fails(samples, target.exact(PROMPT, SamplingParams(**kw)))
 
 

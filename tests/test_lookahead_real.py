@@ -26,7 +26,7 @@ def test_smollm2_lookahead_equals_plain_greedy(dtype):
         plain = build_engine(target, "ar", backend="fast").generate(ids, params)
         engine = build_engine(target, "lookahead", backend="fast", lookahead_window=4, lookahead_ngram=4,
                               lookahead_candidates=4)
-        assert engine.runner.exact
+        assert engine.runner.mode.exact
         got = engine.generate(ids, params)
         assert got.token_ids == plain.token_ids, text
         accepted += got.stats.accepted

@@ -12,7 +12,9 @@ import pytest
 import torch
 from conftest import tiny_gemma3, tiny_llama
 
-from verispec.fast import FastRunner, native, quant
+from verispec.backends import TreeMask
+from verispec.backends.fast import FastRunner
+from verispec.fast import native, quant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,10 +62,10 @@ def calls(monkeypatch):
 
 def _passes(runner: FastRunner, ids: torch.Tensor) -> torch.Tensor:
     """Prefill, chain passes of 3, 1 and 16 tokens, and a 4-node tree -> every logit row, concatenated."""
-    out = [runner.forward(ids[:20], last_only=True), runner.forward(ids[20:23]), runner.forward(ids[23:24]),
-           runner.forward(ids[24:40])]
+    out = [runner.forward(ids[:20], last_only=True).logits, runner.forward(ids[20:23]).logits, runner.forward(ids[23:24]).logits,
+           runner.forward(ids[24:40]).logits]
     anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    out.append(runner.forward_tree(ids[40:44], anc, torch.tensor([0, 1, 1, 2])))
+    out.append(runner.forward(ids[40:44], tree=TreeMask(anc, torch.tensor([0, 1, 1, 2]))).logits)
     return torch.cat(out)
 
 
@@ -100,9 +102,8 @@ def test_captured_features_and_uncovered_families(exact, calls):
     got = {}
     for use in (False, True):
         r = FastRunner(model, capacity=64, exact=exact, native=use)
-        r.feature_layers = (1, 3)
-        r.forward(ids[:20], last_only=True)
-        got[use] = (r.forward(ids[20:25]), r.last_features)
+        r.forward(ids[:20], last_only=True, features=(1, 3))
+        got[use] = tuple(r.forward(ids[20:25], features=(1, 3)))
     assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
     want = {"step": 3, "attn_in": 3, "attn_out": 3} if exact else {"step": 6}
     assert calls == want

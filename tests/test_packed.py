@@ -9,7 +9,8 @@ import torch
 from conftest import loaded, tiny_llama
 
 from verispec.api import build_engine
-from verispec.fast import FastRunner, packed
+from verispec.backends.fast import FastRunner
+from verispec.fast import packed
 from verispec.types import SamplingParams
 
 CPU = torch.device("cpu")
@@ -51,17 +52,17 @@ def test_hybrid_fast_path_logits_and_exact_mode(hybrid):
     runner = FastRunner(model, capacity=128, exact=False)
     assert runner.net.linear is packed._hybrid_linear
     runner.forward(ids[:10], last_only=True)
-    got = torch.cat([runner.forward(ids[10:11]), runner.forward(ids[11:30])])
+    got = torch.cat([runner.forward(ids[10:11]).logits, runner.forward(ids[11:30]).logits])
     torch.testing.assert_close(got, ref[10:30], atol=0.15, rtol=0.02)
     # exact mode: a position's logits do not depend on how many positions share its pass, though one-row
     # and wider calls read different kernels (the row-invariance probe must see the switch)
     one = FastRunner(model, capacity=128, exact=True, kv_block=16)
     assert one._natural_floor() is None or one._natural_floor() >= packed.HYBRID_ROWS
     one.forward(ids[:10], last_only=True)
-    alone = torch.cat([one.forward(ids[i:i + 1]) for i in range(10, 60)])
+    alone = torch.cat([one.forward(ids[i:i + 1]).logits for i in range(10, 60)])
     many = FastRunner(model, capacity=128, exact=True, kv_block=16)
     many.forward(ids[:10], last_only=True)
-    together = torch.cat([many.forward(ids[a:b]) for a, b in ((10, 13), (13, 20), (20, 21), (21, 37), (37, 60))])
+    together = torch.cat([many.forward(ids[a:b]).logits for a, b in ((10, 13), (13, 20), (20, 21), (21, 37), (37, 60))])
     assert torch.equal(alone, together)
 
 
@@ -84,6 +85,6 @@ def test_hybrid_under_torch_compile(hybrid):
     comp = FastRunner(model, capacity=32, exact=False, compile=True, buckets=(4,))
     for r in (eager, comp):
         r.forward(ids[:8], last_only=True)
-    a = torch.cat([eager.forward(ids[8:11]), eager.forward(ids[11:14])])  # 3 rows: the widened kernel
-    b = torch.cat([comp.forward(ids[8:11]), comp.forward(ids[11:14])])
+    a = torch.cat([eager.forward(ids[8:11]).logits, eager.forward(ids[11:14]).logits])  # 3 rows: the widened kernel
+    b = torch.cat([comp.forward(ids[8:11]).logits, comp.forward(ids[11:14]).logits])
     torch.testing.assert_close(b, a, atol=0.05, rtol=0.02)

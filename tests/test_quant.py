@@ -14,7 +14,8 @@ import torch
 from conftest import loaded, tiny_llama
 
 from verispec.api import build_engine
-from verispec.fast import FastRunner, quant
+from verispec.backends.fast import FastRunner
+from verispec.fast import quant
 from verispec.fast.core import layer_step, projection_names
 from verispec.models.gguf_weights import parse_q4, parse_q4_k, rope_rows
 from verispec.types import SamplingParams
@@ -141,7 +142,7 @@ def test_quantized_runner_logits_and_pass_independent_bits(fmt):
     assert kinds == {quant.Int4 if fmt == "q4" else quant.Int8}
     for r in (dense, runner):
         r.forward(ids[:10], last_only=True)
-    a, b = dense.forward(ids[10:30]), runner.forward(ids[10:30])
+    a, b = dense.forward(ids[10:30]).logits, runner.forward(ids[10:30]).logits
     assert not torch.equal(a, b)  # other weights ...
     torch.testing.assert_close(b, a, atol=1.5 if fmt == "q4" else 0.5, rtol=0.1)  # ... close to the dense ones
     # exact mode: a position's logits do not depend on how many positions share its pass
@@ -149,7 +150,7 @@ def test_quantized_runner_logits_and_pass_independent_bits(fmt):
     for cuts in ([(i, i + 1) for i in range(10, 50)], [(10, 13), (13, 20), (20, 21), (21, 37), (37, 50)]):
         r = FastRunner(model, capacity=128, exact=True, kv_block=16, weights=fmt)
         r.forward(ids[:10], last_only=True)
-        out.append(torch.cat([r.forward(ids[a:b]) for a, b in cuts]))
+        out.append(torch.cat([r.forward(ids[a:b]).logits for a, b in cuts]))
     assert torch.equal(out[0], out[1])
 
 
@@ -207,7 +208,7 @@ def test_greedy_speculation_equals_plain_decoding_with_quantized_weights(fmt):
     params = SamplingParams(max_new_tokens=40)
     for prompt in ([1, 2, 3, 4, 1, 2, 3], [5, 9, 5, 9, 5, 9, 17]):
         plain = build_engine(target, "ar", backend="fast")
-        assert plain.runner.net.weights == fmt and plain.runner.exact
+        assert plain.runner.net.weights == fmt and plain.runner.mode.exact
         want = plain.generate(prompt, params).token_ids
         for method, opts in (("ngram", {}), ("draft", {"draft": draft}), ("ngram", {"tree": "static:small"})):
             assert build_engine(target, method, backend="fast", **opts).generate(prompt, params).token_ids == want
@@ -270,7 +271,7 @@ def test_wide_passes_run_a_dense_copy_of_the_same_weights_outside_exact_mode(fmt
     out = {}
     for name, r in runners.items():
         r.forward(ids[:20], last_only=True)
-        out[name] = r.forward(ids[20:20 + n])
+        out[name] = r.forward(ids[20:20 + n]).logits
     assert set(calls) == {20, 1, n}  # the prefill of 20 (its last row's logits) and the pass of n rows
     # the reference: the dense path of a model whose weights are the quantized ones' dequantization
     same = copy.deepcopy(model)
@@ -288,11 +289,11 @@ def test_wide_passes_run_a_dense_copy_of_the_same_weights_outside_exact_mode(fmt
     same.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     ref = FastRunner(same, capacity=128, exact=False)
     ref.forward(ids[:20], last_only=True)
-    assert torch.equal(out["wide"], ref.forward(ids[20:20 + n]))
+    assert torch.equal(out["wide"], ref.forward(ids[20:20 + n]).logits)
     assert not torch.equal(out["wide"], out["narrow"])  # other kernels ...
     torch.testing.assert_close(out["wide"], out["narrow"], atol=0.1, rtol=0.05)  # ... on the same weights
     calls.clear()
-    assert runners["wide"].forward(ids[20 + n:20 + n + wide_rows - 1]).shape[0] == wide_rows - 1 and not calls
+    assert runners["wide"].forward(ids[20 + n:20 + n + wide_rows - 1]).logits.shape[0] == wide_rows - 1 and not calls
     exact = FastRunner(model, capacity=128, exact=True, weights=fmt)
     exact.net._dense = wide_net._dense  # shared module: the same spy
     exact.forward(ids[:20], last_only=True)

@@ -6,7 +6,7 @@ import torch
 
 from conftest import loaded, tiny_gemma3, tiny_llama
 from verispec.api import build_engine
-from verispec.fast import make_runner
+from verispec.backends import make_runner
 from verispec.types import SamplingParams
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from verispec import theory as th
+from verispec.backends import Runner, Scores
+from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameter
 
 
@@ -96,28 +98,28 @@ def test_simulation_matches_formula(a, k):
     assert abs(sim - th.expected_tokens(a, k)) < 4.5 * se + 1e-12
 
 
-class _CountingRunner:
+class _CountingRunner(Runner):
     """Target whose greedy next token after t is (t + 1) % V: a runner interface with known answers."""
 
     def __init__(self, vocab: int = 11):
         self.vocab, self.length = vocab, 0
 
-    def reset(self):
+    def reset(self, params=None):
         self.length = 0
 
-    def forward(self, ids, last_only: bool = False, **_):
+    def forward(self, ids, tree=None, *, last_only: bool = False, **_):
         ids = [int(i) for i in ids]
         logits = torch.full((len(ids), self.vocab), -10.0)
         for row, t in enumerate(ids):
             logits[row, (t + 1) % self.vocab] = 10.0
         self.length += len(ids)
-        return logits[-1:] if last_only else logits
+        return Scores(logits[-1:] if last_only else logits)
 
-    def crop(self, length: int):
+    def rollback(self, length: int):
         self.length = min(self.length, length)
 
 
-class _BernoulliDrafter:
+class _BernoulliDrafter(Drafter):
     """Drafts the right token with probability a at each position (a wrong one otherwise)."""
 
     name = "bernoulli"

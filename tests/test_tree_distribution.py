@@ -11,7 +11,7 @@ the marginal test a noncentrality N * 0.01^2 * (1/p_hi + 1/p_lo), 45-290 for the
 critical value of ~26 (5 degrees of freedom); each case asserts its power (scipy's noncentral
 chi-square) is above 0.9, and test_power_* shows that this planted bias and a planted wrong rule
 (skipping the residual update after a rejection) both fail the same test with the same N.
-The engine is then checked end to end (forward_tree, compaction, drafter protocol) with fewer samples.
+The engine is then checked end to end (tree forward, compaction, drafter protocol) with fewer samples.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import pytest
 import torch
 from scipy import stats
 
-from verispec import tree_acceptance
+from verispec import acceptance
+from verispec.acceptance import tree_speculative_verify
+from verispec.backends import Runner, Scores, TreeMask
+from verispec.drafters.base import Drafter
 from verispec.engine import Engine
 from verispec.sampling import logits_to_probs
 from verispec.tree import StaticTree, TreeLayout, parse_tree
-from verispec.tree_acceptance import tree_speculative_verify
 from verispec.types import Proposal, SamplingParams
 
 
@@ -249,7 +251,7 @@ def test_power_planted_bias_fails():
 
 @pytest.mark.parametrize("case", ["point_masses", "iid_specinfer"])
 def test_power_rule_without_residual_update_fails(case, monkeypatch):
-    monkeypatch.setattr(tree_acceptance, "_residual", lambda p, q: p)
+    monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)
     target, draft, paths, modes, params = _setup(case)
     samples = run_rule(target, draft, paths, modes, params, N, seed=4)
     assert fails(samples, target.exact(PROMPT, params))
@@ -258,8 +260,8 @@ def test_power_rule_without_residual_update_fails(case, monkeypatch):
 # ---- end to end through the Engine: a table "model" that verifies trees, and a drafter that makes them
 
 
-class TableRunner:
-    """The runner interface (forward, forward_tree, crop, compact) over a Table: each slot remembers
+class TableRunner(Runner):
+    """The runner interface (forward with a tree, rollback, commit) over a Table: each slot remembers
     the token before it, so tree nodes read their own parent's token, not their slot neighbour's."""
 
     def __init__(self, table: Table):
@@ -269,7 +271,7 @@ class TableRunner:
     def length(self):
         return len(self.tokens)
 
-    def reset(self):
+    def reset(self, params=None):
         self.tokens, self.prev = [], []
 
     def _append(self, tok, prev):
@@ -277,32 +279,34 @@ class TableRunner:
         self.prev.append(prev)
         return self.table.logits[self.tokens[prev] if prev >= 0 else 0, int(tok)]
 
-    def forward(self, ids, last_only=False):
+    def forward(self, ids, tree=None, *, last_only=False, features=()):
         ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
-        out = torch.stack([self._append(t, self.length - 1) for t in ids])
-        return out[-1:] if last_only else out
-
-    def forward_tree(self, ids, ancestor_mask, depths):
-        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
+        if tree is None:
+            out = torch.stack([self._append(t, self.length - 1) for t in ids])
+            return Scores(out[-1:] if last_only else out)
         base, out = self.length, []
         for i, t in enumerate(ids):
-            anc = [j for j in range(i) if ancestor_mask[i, j]]
+            anc = [j for j in range(i) if tree.mask[i, j]]
             out.append(self._append(t, base + anc[-1] if anc else base - 1))
-        return torch.stack(out)
+        return Scores(torch.stack(out))
 
-    def crop(self, length):
+    def check_tree_support(self):
+        pass
+
+    def rollback(self, length):
         del self.tokens[length:], self.prev[length:]
 
-    def compact(self, start, keep):
+    def commit(self, start, keep):
         kept = [self.tokens[start + k] for k in keep]
-        self.crop(start)
+        self.rollback(start)
         for t in kept:
             self.tokens.append(t)
             self.prev.append(self.length - 2)
 
 
-class TableTreeDrafter:
+class TableTreeDrafter(Drafter):
     name = "table-tree"
+    can_tree = True
 
     def __init__(self, draft: Table, modes):
         self.draft, self.modes = draft, modes
@@ -345,5 +349,5 @@ def test_table_runner_matches_tree_semantics():
     r = TableRunner(t)
     r.forward([1, 2, 3])
     lay = TreeLayout.from_parents([-1, 0, 0, 2])
-    out = r.forward_tree([4, 5, 0, 1], lay.mask, lay.depths)
+    out = r.forward([4, 5, 0, 1], tree=TreeMask(lay.mask, lay.depths)).logits
     assert torch.equal(out[2], t.logits[4, 0]) and torch.equal(out[3], t.logits[0, 1]) and torch.equal(out[0], t.logits[3, 4])

@@ -12,6 +12,7 @@ import torch
 
 from conftest import loaded, tiny_gemma3, tiny_llama
 from verispec.api import build_engine
+from verispec.drafters.base import Drafter
 from verispec.engine import Engine
 from verispec.tree import StaticTree
 from verispec.types import Proposal, SamplingParams
@@ -20,12 +21,13 @@ from verispec.types import Proposal, SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(Drafter):
     """Knows the reference greedy continuation. Each step builds a random tree: along the true path each
     node offers 1-3 children with the true token at a random rank (missing with probability `miss`),
     and distractor nodes get random children too. Point masses: greedy verification ignores q."""
 
     name = "oracle"
+    can_tree = True
 
     def __init__(self, reference: list[int], vocab: int, seed: int = 0, miss: float = 0.2):
         self.reference, self.vocab, self.miss = reference, vocab, miss

@@ -10,7 +10,7 @@ from verispec.errors import InvalidParameter
 from verispec.metrics import SpecStats
 from verispec.tree import (STATIC_TREES, Candidate, DynamicTree, RankAcceptance, StaticTree, TreeLayout,
                            choose_budget, expected_accepted, optimal_paths, parse_tree, select_best, to_proposal)
-from verispec.tree_acceptance import greedy_tree_verify
+from verispec.acceptance import greedy_tree_verify
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -141,7 +141,7 @@ def test_rank_acceptance_and_stats_by_rank():
     res = greedy_tree_verify(torch.tensor([5, 7, 3, 4, 9]), [-1, -1, 1, 1, 3],
                              torch.nn.functional.one_hot(torch.tensor([7, 1, 4, 0, 9, 2]), 10).float())
     stats = SpecStats(tree="t")
-    stats.observe_tree(res, lay)
+    stats.observe(res, lay)
     assert stats.accepted_depth_counts == [0, 0, 0, 1]
     assert stats.offered_by_rank == [3, 2] and stats.accepted_by_rank == [1, 2]
     assert stats.drafted_by_position == [1, 1, 1] and stats.accepted_by_position == [1, 1, 1]

@@ -11,7 +11,8 @@ import torch
 from conftest import loaded, tiny_gemma3, tiny_llama
 from verispec.api import build_engine
 from verispec.errors import UnsupportedModel
-from verispec.runner import HFRunner, build_tree_mask, tree_mask_plan
+from verispec.backends import TreeMask
+from verispec.backends.transformers import HFRunner, build_tree_mask, tree_mask_plan
 from verispec.tree import TreeLayout, path_to
 from verispec.types import SamplingParams
 
@@ -31,7 +32,7 @@ def _case(seed=0):
 
 
 def _path_logits(model, ctx, toks, parents, i):
-    return HFRunner(model).forward(ctx + [toks[j] for j in path_to(parents, i)])[-1]
+    return HFRunner(model).forward(ctx + [toks[j] for j in path_to(parents, i)]).logits[-1]
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -41,7 +42,7 @@ def test_node_logits_equal_their_path_run_alone(family):
     runner = HFRunner(model)
     runner.forward(ctx)
     lay = TreeLayout.from_parents(PARENTS)
-    logits = runner.forward_tree(toks, lay.mask, lay.depths)
+    logits = runner.forward(toks, tree=TreeMask(lay.mask, lay.depths)).logits
     assert logits.shape == (len(PARENTS), 32) and runner.length == len(ctx) + len(PARENTS)
     for i in range(len(PARENTS)):
         torch.testing.assert_close(logits[i], _path_logits(model, ctx, toks, PARENTS, i), atol=2e-5, rtol=1e-5)
@@ -56,14 +57,14 @@ def test_gemma_sliding_window_is_applied():
     lay = TreeLayout.from_parents(PARENTS)
     runner = HFRunner(model)
     runner.forward(ctx)
-    good = runner.forward_tree(toks, lay.mask, lay.depths)
-    runner.crop(len(ctx))
+    good = runner.forward(toks, tree=TreeMask(lay.mask, lay.depths)).logits
+    runner.rollback(len(ctx))
     n, total = len(PARENTS), len(ctx) + len(PARENTS)
     allowed = torch.ones(n, total, dtype=torch.bool)
     allowed[:, len(ctx):] = lay.mask
     pos = torch.cat([torch.arange(len(ctx)), len(ctx) + lay.depths])
     no_window = build_tree_mask({"sliding_attention": None, "full_attention": None}, allowed, pos[-n:], pos, torch.float32)
-    bad = runner.forward(toks, attention_mask=no_window, position_ids=pos[-n:][None])
+    bad = runner.run_model(toks, attention_mask=no_window, position_ids=pos[-n:][None]).logits
     deep = 11
     torch.testing.assert_close(good[deep], _path_logits(model, ctx, toks, PARENTS, deep), atol=2e-5, rtol=1e-5)
     assert (bad[deep] - good[deep]).abs().max() > 1e-3
@@ -77,8 +78,8 @@ def test_tree_grown_over_several_calls(family):
     lay = TreeLayout.from_parents(PARENTS)
     runner = HFRunner(model)
     runner.forward(ctx)
-    first = runner.forward_tree(toks[:5], lay.mask[:5, :5], lay.depths[:5])
-    rest = runner.forward_tree(toks[5:], lay.mask[5:], lay.depths, tree_start=len(ctx))
+    first = runner.forward(toks[:5], tree=TreeMask(lay.mask[:5, :5], lay.depths[:5])).logits
+    rest = runner.forward(toks[5:], tree=TreeMask(lay.mask[5:], lay.depths, len(ctx))).logits
     logits = torch.cat([first, rest])
     for i in range(len(PARENTS)):
         torch.testing.assert_close(logits[i], _path_logits(model, ctx, toks, PARENTS, i), atol=2e-5, rtol=1e-5)

@@ -40,27 +40,24 @@ class SpecStats:
     first_token_time: float | None = None
     finish_reason: str = ""
 
-    def observe(self, result: StepResult, depths: list[int] | None = None) -> None:
-        """Record one step. depths: draft position (chain) or tree depth of each drafted node, 0-based."""
+    def observe(self, result: StepResult, layout=None) -> None:
+        """Record one step. layout: the step's tree.TreeLayout (node 0 = the root; depths give each node's
+        position) when it verified a tree, None for a plain chain (node i at position i)."""
         self.steps += 1
         self.drafted += result.num_drafted
         self.accepted += result.num_accepted
         self.nodes_verified += result.num_drafted
         self.committed += len(result.tokens)
-        if depths is None:
-            depths = list(range(result.num_drafted))
+        depths = range(result.num_drafted) if layout is None else [int(d) - 1 for d in layout.depths[1:].tolist()]
         # position i counts as "reached" once per step when some node at depth i was drafted
-        reached = sorted(set(depths))
-        for d in reached:
+        for d in sorted(set(depths)):
             self._grow(d)
             self.drafted_by_position[d] += 1
         for d in range(result.num_accepted):
             self._grow(d)
             self.accepted_by_position[d] += 1
-
-    def observe_tree(self, result: StepResult, layout) -> None:
-        """Record a tree step; layout is the verification TreeLayout (node 0 = the root)."""
-        self.observe(result, depths=[int(d) - 1 for d in layout.depths[1:].tolist()])
+        if layout is None:
+            return
         self.tree_steps += 1
         self.max_nodes = max(self.max_nodes, result.num_drafted)
         while len(self.accepted_depth_counts) <= result.num_accepted:

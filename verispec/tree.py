@@ -465,7 +465,7 @@ def measure_verify_cost(runner, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
     runner.reset()
     runner.forward(ids[:context], last_only=True)
     runner.forward(ids[context: context + 1])  # warm-up
-    runner.crop(context)
+    runner.rollback(context)
     out = {}
     for n in sizes:
         times = []
@@ -473,7 +473,7 @@ def measure_verify_cost(runner, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
             t0 = time.perf_counter()
             runner.forward(ids[context: context + n])
             times.append(time.perf_counter() - t0)
-            runner.crop(context)
+            runner.rollback(context)
         out[n] = sorted(times)[len(times) // 2]
     runner.reset()
     return out

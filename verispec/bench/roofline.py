@@ -86,7 +86,8 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
     target: a LoadedModel; backend: auto, hf or fast (the fast runner runs every row as it would in a
     verification pass: exact mode off, so N rows cost N rows). Returns a JSON-ready dict: points (n, median_s, times_s), bandwidth, weight
     bytes, the bandwidth floor for one forward and the free positions."""
-    from verispec.fast import FastRunner, make_runner
+    from verispec.backends import make_runner
+    from verispec.backends.fast import FastRunner
 
     ns = sorted(set(ns or default_ns(256)))
     if ns[0] < 1:
@@ -113,7 +114,7 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         for _ in range(warmup):
             runner.forward(ids)
-            runner.crop(context)
+            runner.rollback(context)
         times = []
         for _ in range(repeats):
             _sync(device)
@@ -121,7 +122,7 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
             runner.forward(ids)  # logits for every position, as verification needs
             _sync(device)
             times.append(time.perf_counter() - t0)
-            runner.crop(context)
+            runner.rollback(context)
         points.append({"n": n, "median_s": statistics.median(times), "min_s": min(times), "times_s": times})
         if progress is not None:
             progress(n)

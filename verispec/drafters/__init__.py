@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verispec.drafters.base import DraftLengthSchedule, Drafter, TreeDrafter
+from verispec.drafters.base import DraftLengthSchedule, Drafter
 from verispec.drafters.cross_vocab import CrossVocabularyDrafter, TextCodec
 from verispec.drafters.draft_model import DraftModelDrafter, same_vocabulary
 from verispec.drafters.ngram import NGramDrafter
@@ -26,13 +26,13 @@ def _draft(target, draft=None, backend: str = "hf", **_):
         raise InvalidParameter("method 'draft' needs a draft model; pass draft=... (CLI: --draft MODEL)")
     if not isinstance(draft, LoadedModel):
         draft = load_model(draft, dtype=target.dtype, device=target.device)
-    from verispec.fast import make_runner
+    from verispec.backends import make_runner
 
     # the draft's numerics only change proposals, never the output, so its fast runner skips exact mode
     same = same_vocabulary(target.tokenizer, draft.tokenizer)
     # another vocabulary: the draft holds the same text in its own tokens, at most its own context
     capacity = (target.context_length if same else draft.context_length) + 256
-    runner = make_runner(draft.model, backend, **({} if backend == "hf" else {"exact": False, "capacity": capacity}))
+    runner = make_runner(draft.model, backend, exact=False, capacity=capacity)
     if same:
         return DraftModelDrafter(draft.model, target.vocab_size, runner=runner)
     inner = DraftModelDrafter(draft.model, draft.vocab_size, runner=runner)  # proposes draft ids; cross_vocab.py maps them
@@ -87,4 +87,4 @@ def make_drafter(method: str, target, **options) -> Drafter | None:
     return METHODS[method](target, **options)
 
 
-__all__ = ["Drafter", "TreeDrafter", "DraftLengthSchedule", "DraftModelDrafter", "CrossVocabularyDrafter", "TextCodec", "NGramDrafter", "METHODS", "make_drafter"]
+__all__ = ["Drafter", "DraftLengthSchedule", "DraftModelDrafter", "CrossVocabularyDrafter", "TextCodec", "NGramDrafter", "METHODS", "make_drafter"]

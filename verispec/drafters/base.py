@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
-@runtime_checkable
 class Drafter(Protocol):
+    """What the engine calls. A drafter subclasses this explicitly, so the capabilities it does not
+    declare keep the defaults below (no trees, no target features); the engine never probes."""
+
     name: str
+    can_tree: bool = False  # propose_tree works (the engine asks for trees only when a tree shape is set)
+    feature_layers: tuple[int, ...] = ()  # the target's hidden-state indices it reads; () = none
 
     def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new generation (reset any per-sequence state)."""
@@ -23,16 +27,20 @@ class Drafter(Protocol):
     def observe(self, result: StepResult) -> None:
         """Learn from what the target accepted (adapt tables, lengths, ...)."""
 
-
-@runtime_checkable
-class TreeDrafter(Drafter, Protocol):
-    """A drafter that can also propose trees (optional; the engine asks only when a tree shape is set)."""
-
     def propose_tree(self, context: list[int], shape) -> Proposal | None:
-        """Fill `shape` (tree.StaticTree or tree.DynamicTree, already cut to the room left) with tokens
-        to follow `context`: a Proposal with parents (topological order, -1 = the pending root) and the
-        distribution each node was drawn from (None / one-hot rows = point masses; see
-        tree_acceptance.py for what keeps the rule exact)."""
+        """(can_tree) Fill `shape` (tree.StaticTree or tree.DynamicTree, already cut to the room left) with
+        tokens to follow `context`: a Proposal with parents (topological order, -1 = the pending root) and
+        the distribution each node was drawn from (None / one-hot rows = point masses; see acceptance.py
+        for what keeps the rule exact)."""
+        raise NotImplementedError(f"the '{self.name}' drafter cannot make trees")
+
+    def check_tree_support(self) -> None:
+        """(can_tree) Raise now, not mid-generation, when this drafter's trees cannot run here."""
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """(feature_layers) The target's features [n, len(feature_layers) * hidden] at the n positions just
+        committed to its cache, in order: the prompt's but the last, then each step's pending token and
+        accepted path."""
 
 
 class DraftLengthSchedule:

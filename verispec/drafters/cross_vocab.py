@@ -12,7 +12,7 @@ The tokens go to the target as point masses (Proposal.draft_probs None). The eng
 accept a drafted token x with probability p(x) and fall back to p with x removed, which is the same
 law as the paper's "the target samples its token and the draft is kept while they match": greedy, it
 is the longest prefix equal to the target's argmax; sampling, it is lossless for any tokens chosen
-without looking at the target's random numbers (acceptance.py, tree_acceptance.py), so the draft's
+without looking at the target's random numbers (acceptance.py), so the draft's
 q, which lives over another vocabulary, is never needed. What re-tokenizing gets wrong (a draft that
 ends inside a word, text the target splits otherwise) only costs acceptance, never exactness.
 
@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from verispec.drafters.base import Drafter
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
@@ -45,7 +46,7 @@ class TextCodec:
                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
-class CrossVocabularyDrafter:
+class CrossVocabularyDrafter(Drafter):
     name = "cross-vocabulary draft"
 
     def __init__(self, inner, target: TextCodec, draft: TextCodec, max_context: int | None = None):

@@ -195,7 +195,6 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
     block forward per proposal."""
 
     name = "dflash"
-    needs_target_features = True
 
     def __init__(self, model: BlockDrafterModel, target_vocab_size: int, weights_dtype: torch.dtype | None = None):
         self.model = model.eval()

@@ -5,7 +5,7 @@ Its own KV cache is kept in step with the committed tokens: before each proposal
 back to the longest prefix it shares with the committed sequence, and only the rest is fed.
 
 Trees: the draft model grows the tree depth by depth, feeding each depth's nodes to be expanded in ONE
-forward under a tree mask (HFRunner.forward_tree with tree_start), and branches into its top-k tokens:
+forward under a tree mask (Runner.forward with a TreeMask start), and branches into its top-k tokens:
   * static shapes (tree.StaticTree): each node's children are its top-k tokens as point masses when
     greedy; when sampling, they are drawn from q without replacement (row i = q with the earlier
     siblings removed), which keeps the verification exact because the shape does not depend on them;
@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from verispec.runner import HFRunner
+from verispec.backends import TreeMask
+from verispec.backends.transformers import HFRunner
 from verispec.sampling import logits_to_probs, sample
 from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
+from verispec.drafters.base import Drafter
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
@@ -30,11 +32,12 @@ def same_vocabulary(target_tokenizer, draft_tokenizer) -> bool:
     return target_tokenizer is draft_tokenizer or target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft"
+    can_tree = True
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int, runner=None):
-        self.runner = runner if runner is not None else HFRunner(model)  # runner: e.g. a verispec.fast.FastRunner
+        self.runner = runner if runner is not None else HFRunner(model)  # runner: e.g. a backends.fast.FastRunner
         self.vocab = target_vocab_size
         self.cached: list[int] = []  # the token ids whose KV entries the draft cache holds
         self.params = SamplingParams()
@@ -62,10 +65,10 @@ class DraftModelDrafter:
         limit = min(len(self.cached), len(context) - 1)
         while common < limit and self.cached[common] == context[common]:
             common += 1
-        self.runner.crop(common)
+        self.runner.rollback(common)
         self.cached = self.cached[:common]
         feed = context[common:]
-        logits = self.runner.forward(feed, last_only=True)[-1]
+        logits = self.runner.forward(feed, last_only=True).logits[-1]
         self.cached.extend(feed)
         return logits
 
@@ -80,7 +83,7 @@ class DraftModelDrafter:
             tokens.append(x)
             probs.append(q)
             if i < k - 1:
-                logits = self.runner.forward([x])[-1]
+                logits = self.runner.forward([x]).logits[-1]
                 self.cached.append(x)
         if not tokens:
             return None
@@ -90,9 +93,7 @@ class DraftModelDrafter:
     # ---- trees
 
     def check_tree_support(self) -> None:
-        check = getattr(self.runner, "check_tree_support", None)  # backends with native masks need no check
-        if callable(check):
-            check()
+        self.runner.check_tree_support()
 
     def _children(self, logits: torch.Tensor, parent: int, parent_score: float, depth: int, m: int,
                   sampled: bool) -> list[Candidate]:
@@ -127,8 +128,8 @@ class DraftModelDrafter:
                 mask[r, t["slot"][p]] = True
                 p = cands[p].parent
         depths = t["fed_depths"] + [cands[c].depth - 1 for c in nodes]
-        logits = self.runner.forward_tree([cands[c].token for c in nodes], mask, torch.tensor(depths),
-                                          tree_start=t["start"])
+        logits = self.runner.forward([cands[c].token for c in nodes],
+                                     tree=TreeMask(mask, torch.tensor(depths), t["start"])).logits
         for r, c in enumerate(nodes):
             t["slot"][c] = first + r
         t["fed_depths"] = depths
@@ -187,7 +188,7 @@ class DraftModelDrafter:
             base = getattr(self, "_chain_base", None)
             if base is not None and len(self.cached) > base:
                 keep = base + result.num_accepted
-                self.runner.crop(min(keep, self.runner.length))
+                self.runner.rollback(min(keep, self.runner.length))
                 self.cached = self.cached[: self.runner.length]
             self._chain_base = None
             return
@@ -199,5 +200,5 @@ class DraftModelDrafter:
                 break
             slots.append(t["slot"][c])
             tokens.append(t["tokens"][i])
-        self.runner.compact(t["start"], slots)
+        self.runner.commit(t["start"], slots)
         self.cached = self.cached[: t["start"]] + tokens

@@ -36,6 +36,7 @@ from torch import nn
 from verispec.errors import HeadMismatch
 from verispec.sampling import logits_to_probs, sample
 from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
+from verispec.drafters.base import Drafter
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
@@ -205,9 +206,10 @@ def load_eagle_head(target, head: str | Path | None = None, device=None) -> Eagl
     return module.to(device or target.device).eval()
 
 
-class HeadDrafting:
+class HeadDrafting(Drafter):
     """What the EAGLE and Medusa drafters share: the draft vocabulary map and choosing children."""
 
+    can_tree = True
     vocab: int
     d2t: torch.Tensor
     params: SamplingParams
@@ -292,7 +294,6 @@ class FeatureQueue:
 
 class EagleDrafter(FeatureQueue, HeadDrafting):
     name = "eagle"
-    needs_target_features = True
 
     def __init__(self, head: EagleHead, target_vocab_size: int, weights_dtype: torch.dtype | None = None):
         """weights_dtype: draft with packed copies of the head's weights in this dtype (the target's,

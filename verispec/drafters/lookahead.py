@@ -18,7 +18,7 @@ Each step, with the target's argmax at the top level's nodes as the new level (J
     pool under its first token (at most G per key, the most recent kept), and the window shifts up.
 Candidates: the pool's n-grams that start with the pending token, the most recent G, their remaining
 N - 1 tokens merged into a trie. They are point masses, so greedy verification equals plain decoding
-and sampling uses the multi-candidate rule of tree_acceptance.py, lossless for any tokens chosen
+and sampling uses the multi-candidate rule of acceptance.py, lossless for any tokens chosen
 without the step's random numbers (the window's argmax depends on earlier forwards only).
 """
 
@@ -29,10 +29,11 @@ from collections import OrderedDict
 
 import torch
 
+from verispec.drafters.base import Drafter
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     name = "lookahead"
 
     def __init__(self, window: int = 2, ngram: int = 3, candidates: int = 2, seed: int = 0):

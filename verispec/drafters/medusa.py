@@ -154,7 +154,6 @@ class PositionDrafting(HeadDrafting):
 
 class MedusaDrafter(PositionDrafting):
     name = "medusa"
-    needs_target_features = True
 
     def __init__(self, heads: MedusaHeads, target_vocab_size: int):
         self.heads = heads.eval()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from verispec.errors import InvalidParameter
+from verispec.drafters.base import Drafter
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
@@ -55,8 +56,9 @@ def find_continuations(context: list[int] | np.ndarray, depth: int, max_n: int =
     return out
 
 
-class NGramDrafter:
+class NGramDrafter(Drafter):
     name = "ngram"
+    can_tree = True
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if min_n < 1 or max_n < min_n:

@@ -42,6 +42,7 @@ from typing import Iterable, Sequence
 import torch
 
 from verispec.errors import InvalidParameter
+from verispec.drafters.base import Drafter
 from verispec.types import Proposal, SamplingParams, StepResult
 
 DEFAULT_DEPTH = 24            # the trie depth the paper's implementation defaults to (longest indexed substring)
@@ -333,10 +334,11 @@ def _check_options(alpha, min_prob, depth) -> None:
         raise InvalidParameter(f"suffix_depth must be an integer in [2, 64], got {depth!r}")
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Drafts from a suffix trie over this request and an optional cross-request SuffixCache."""
 
     name = "suffix"
+    can_tree = True
 
     def __init__(self, cache: SuffixCache | None = None, alpha: float = DEFAULT_ALPHA,
                  min_prob: float = DEFAULT_MIN_PROB, depth: int = DEFAULT_DEPTH):

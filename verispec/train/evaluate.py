@@ -57,12 +57,10 @@ def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], lis
     state at the anchor; dflash: the block forward of train/loops.py (block_logits_for_anchors) at every
     anchor, so step j is block position j."""
     from verispec.drafters.dflash import block_logits_for_anchors
-    from verispec.fast import make_runner, supports
+    from verispec.backends import make_runner
     from verispec.train.loops import eagle_unroll
 
-    opts = {"exact": False} if supports(target.model) else {}
-    runner = make_runner(target.model, "auto", **opts)
-    runner.feature_layers = tuple(module.feature_layers)
+    runner = make_runner(target.model, "auto", exact=False)  # the options go to the fast runner only
     depth = {"eagle": steps, "medusa": getattr(module, "num_heads", 0), "dflash": getattr(module, "block_size", 1) - 1}[kind]
     counts = [[0, 0] for _ in range(depth)]
     for prompt, answer in sequences:
@@ -71,8 +69,8 @@ def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], lis
         if n - pl < 2:
             continue
         runner.reset()
-        runner.forward(torch.tensor(seq, device=target.device))
-        feats = runner.last_features[None].float()
+        feats = runner.forward(torch.tensor(seq, device=target.device), features=tuple(module.feature_layers))
+        feats = feats.features[None].float()
         tok = torch.tensor([seq], device=target.device)
         anchors = torch.arange(pl - 1, n - 1, device=target.device)[None]  # anchor pl - 1: the first draft
         if kind == "eagle":

@@ -51,13 +51,12 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
                 continue  # done before; a shard whose records or backend changed is redone
         seqs = [r["prompt_ids"] + r["answer_ids"] for r in shards[s]]
         if backend == "fast" and runner is None:
-            from verispec.fast.runner import FastRunner
+            from verispec.backends.fast import FastRunner
 
             longest = max(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records)
             runner = FastRunner(target.model, capacity=longest, exact=False)
-            runner.feature_layers = tuple(layers)
         if runner is not None:
-            rows = [_fast_rows(runner, x, topk) for x in seqs]
+            rows = [_fast_rows(runner, x, tuple(layers), topk) for x in seqs]
         else:
             rows = [row for b in range(0, len(seqs), batch_size) for row in _hf_rows(target, seqs[b:b + batch_size], layers, topk)]
         toks = [torch.tensor(x, dtype=torch.int32) for x in seqs]
@@ -84,12 +83,12 @@ def loop_free_length(answer: list[int], n: int) -> int:
     return len(answer)
 
 
-def _fast_rows(runner, seq: list[int], topk: int):
+def _fast_rows(runner, seq: list[int], layers: tuple[int, ...], topk: int):
     """One sequence through verispec's fast forward -> (features bf16, top-k ids int32, top-k probs fp16)."""
     runner.reset()
-    logits = runner.forward(torch.tensor(seq, device=runner.device))
+    logits, feats = runner.forward(torch.tensor(seq, device=runner.device), features=layers)
     p, i = logits.float().softmax(-1).topk(topk, dim=-1)
-    return runner.last_features.to(torch.bfloat16).cpu(), i.to(torch.int32).cpu(), p.to(torch.float16).cpu()
+    return feats.to(torch.bfloat16).cpu(), i.to(torch.int32).cpu(), p.to(torch.float16).cpu()
 
 
 def _hf_rows(target, chunk: list[list[int]], layers: list[int], topk: int):

@@ -1,8 +1,4 @@
-"""A causal LM together with its KV cache: feed new tokens, get their logits, roll back.
-
-This is the only place the engine touches a transformers model, so other backends (a compiled fast
-path, a mock table model in tests) only need the same four members: `length`, `reset`, `forward`, `crop`
-(and `forward_tree` + `compact` for tree speculation).
+"""The transformers backend: a causal LM with a DynamicCache behind the Runner contract (base.py).
 
 Tree verification goes through the model's standard inputs: explicit position ids (context length +
 depth) and a custom 4-D additive float mask [1, 1, n, length + n], which transformers passes through
@@ -10,15 +6,21 @@ unchanged (masking_utils._preprocess_mask_arguments returns a 4-D mask as-is). M
 types (Gemma 3: sliding-window and full-attention layers) take a dict keyed by layer type instead,
 the same mapping their forward builds for itself; we build the sliding-window variant ourselves from
 positions (a key is visible when query position - key position < window, transformers'
-sliding_window_overlay), since the KV cache keeps every position in every layer (cache.py).
+sliding_window_overlay), since the KV cache keeps every position in every layer: it is built without
+a config, so every layer (sliding-window layers of Gemma 3 included) keeps all its entries and position
+i of the sequence is slot i of every layer. That makes rollback a slice and a tree path's commit an
+index copy, for every family alike.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
-from verispec import cache as kv
+from verispec.backends.base import Scores, TreeMask, path_is_chain
 from verispec.errors import UnsupportedModel
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass when a generation can be stopped between them
 
 _MASKABLE_LAYERS = {"full_attention", "sliding_attention"}
 
@@ -60,86 +62,72 @@ def build_tree_mask(plan: dict[str, int | None], allowed: torch.Tensor, q_pos: t
 
 
 class HFRunner:
+    """The Runner contract (backends/base.py) over a transformers model and a DynamicCache."""
+
+    prefill_chunk = PREFILL_CHUNK
+    can_features = True
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.device = next(model.parameters()).device
-        self.cache = kv.new_cache()
+        self.cache = DynamicCache()
         self.length = 0  # positions held in the cache
         self._mask_plan: dict[str, int | None] | None = None
-        # hidden-state indices to keep from every forward (transformers' numbering: i = output of decoder
-        # layer i - 1, num_hidden_layers = the final normed state), set for drafters that read the
-        # target's features (EAGLE, Medusa); last_features [n, len * hidden] then holds them
-        self.feature_layers: tuple[int, ...] | None = None
-        self.last_features = None
 
-    def reset(self) -> None:
-        self.cache = kv.new_cache()
+    def reset(self, params=None) -> None:
+        self.cache = DynamicCache()
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor | list[int], last_only: bool = False,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                output_hidden_states: bool = False):
-        """ids [n] appended after the cached positions -> logits [n, V] (or [1, V] with last_only).
-
-        attention_mask / position_ids: optional custom 4-D mask and positions (tree verification).
-        """
+    def run_model(self, ids: torch.Tensor | list[int], last_only: bool = False,
+                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  features: tuple[int, ...] = ()) -> Scores:
+        """forward with the model's own inputs: an optional custom 4-D mask and positions."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(1, -1)
         n = ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
-        kwargs = {}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-        want = output_hidden_states or bool(self.feature_layers)
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, position_ids=position_ids,
-                         logits_to_keep=1 if last_only else 0, output_hidden_states=want, **kwargs)
+                         logits_to_keep=1 if last_only else 0, output_hidden_states=bool(features), **kwargs)
         self.length += n
-        self.last_hidden_states = out.hidden_states if output_hidden_states else None
-        if self.feature_layers:
-            self.last_features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
-        return out.logits[0]
+        feats = torch.cat([out.hidden_states[i][0] for i in features], dim=-1) if features else None
+        return Scores(out.logits[0], feats)
 
     def check_tree_support(self) -> None:
-        """Raise UnsupportedModel now (not mid-generation) when the model cannot take a tree mask."""
         if self._mask_plan is None:
             self._mask_plan = tree_mask_plan(self.model)
 
-    def forward_tree(self, ids: torch.Tensor | list[int], ancestor_mask: torch.Tensor, depths: torch.Tensor,
-                     tree_start: int | None = None) -> torch.Tensor:
-        """Verify a tree in one forward: ids [n] appended after the cached positions -> logits [n, V].
-
-        ancestor_mask BoolTensor [n, n]: node i sees every cached position and node j iff mask[i, j]
-        (True on the diagonal). depths LongTensor [n]: node i's position id is length + depths[i].
-
-        tree_start (extension, for drafters that grow a tree over several calls): the cached slots from
-        tree_start on are earlier nodes of the same tree; then ancestor_mask is [n, length - tree_start + n]
-        over those slots and the new ones, depths covers them too, and positions are tree_start + depths.
-        """
+    def forward(self, ids, tree: TreeMask | None = None, *, last_only: bool = False,
+                features: tuple[int, ...] = ()) -> Scores:
+        if tree is None:
+            return self.run_model(ids, last_only=last_only, features=features)
         self.check_tree_support()
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         n = ids.shape[0]
-        start = self.length if tree_start is None else tree_start
-        tree_cols = self.length - start + n
-        ancestor_mask = torch.as_tensor(ancestor_mask, dtype=torch.bool, device=self.device)
-        depths = torch.as_tensor(depths, dtype=torch.long, device=self.device).reshape(-1)
-        if ancestor_mask.shape != (n, tree_cols) or depths.shape[0] != tree_cols:
-            raise ValueError(f"tree of {n} new nodes over {tree_cols} tree slots needs ancestor_mask [{n}, {tree_cols}] "
-                             f"and depths [{tree_cols}], got {tuple(ancestor_mask.shape)} and {tuple(depths.shape)}")
-        total = self.length + n
-        allowed = torch.ones(n, total, dtype=torch.bool, device=self.device)
+        start, ancestor_mask, depths = tree.checked(n, self.length, self.device)
+        allowed = torch.ones(n, self.length + n, dtype=torch.bool, device=self.device)
         allowed[:, start:] = ancestor_mask
         kv_pos = torch.cat([torch.arange(start, device=self.device), start + depths])
         q_pos = kv_pos[-n:]
-        dtype = next(self.model.parameters()).dtype
-        mask = build_tree_mask(self._mask_plan, allowed, q_pos, kv_pos, dtype)
-        return self.forward(ids, attention_mask=mask, position_ids=q_pos[None])
+        mask = build_tree_mask(self._mask_plan, allowed, q_pos, kv_pos, next(self.model.parameters()).dtype)
+        return self.run_model(ids, attention_mask=mask, position_ids=q_pos[None], last_only=last_only,
+                              features=features)
 
-    def crop(self, length: int) -> None:
+    def _layers(self) -> list:
+        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False) and layer.keys is not None]
+
+    def rollback(self, length: int) -> None:
         if length < self.length:
-            kv.crop(self.cache, length)
+            for layer in self._layers():
+                layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
             self.length = length
 
-    def compact(self, start: int, keep: list[int]) -> None:
-        kv.compact(self.cache, start, keep)
+    def commit(self, start: int, keep: list[int]) -> None:
+        if path_is_chain(keep):
+            return self.rollback(start + len(keep))
+        for layer in self._layers():
+            idx = torch.as_tensor(keep, dtype=torch.long, device=layer.keys.device) + start
+            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, idx)], dim=-2)
+            layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
         self.length = start + len(keep)

@@ -1,4 +1,5 @@
-"""FastRunner: the engine's runner interface over a fast family module and a preallocated KV cache.
+"""The fast backend: the Runner contract (base.py) over a fast family module (verispec/fast/) and a
+preallocated KV cache.
 
 The cache is one [2 * kv_heads, S, head_dim] tensor per layer (keys, then values), preallocated;
 the position is the pointer: `length` says how many slots are valid, rollback moves it back, a tree path is compacted by an index
@@ -18,7 +19,7 @@ graph per bucket for every length (the cache is then allocated in full up front;
 by doubling, a copy, as the sequence grows). Attending over the whole allocation instead cost 2.3x
 per decode step (measured 2026-12-03, SmolLM2 bf16: 56 ms vs 30 ms).
 
-Exact mode (default for greedy decoding, see `prepare`): every pass that returns logits runs exactly
+Exact mode (default for greedy decoding; PassMode says how a generation's passes run): every pass that returns logits runs exactly
 `exact_bucket` tokens, so the GEMM kernels, which round differently for different row counts
 (measured here: a 1-row float32 GEMM differs in the last bits from the same row in a 4-row one), see
 the same shapes in plain decoding and in verification, and attention runs canonical.py's layout-free
@@ -29,7 +30,7 @@ so there only chains are). Its cost: every pass runs `exact_bucket` rows, unless
 row-invariant at load (row_invariance.py probes the projections, the LM head and canonical attention;
 here all are from 2 rows on, up to 32 and beyond), in which case a pass runs its natural row count,
 never below the probe's floor and up to `exact_max_rows` (32) tokens: plain decoding computes 2
-rows, not 8 (`natural_rows`), a 16-node tree verifies in one pass, and canonical attention
+rows, not 8 (PassMode rows "natural"), a 16-node tree verifies in one pass, and canonical attention
 costs more than the fused kernel (benchmarks/fast_decode.py has the figures). Turn it off with
 FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). Prefill
 (last_only=True) is the same call in every method, so it runs in large chunks either way.
@@ -37,68 +38,66 @@ FastRunner(exact=False) (API: build_engine(..., exact=False); CLI: --no-exact). 
 
 from __future__ import annotations
 
-import threading
-import weakref
+from dataclasses import dataclass
 
 import torch
 
-from verispec.errors import InvalidPrompt, UnsupportedModel
-from verispec.fast import canonical
-
-
-def build_fast_model(model, **weight_options):
-    """The fast family module for a loaded transformers model, or UnsupportedModel saying why not.
-    weight_options: weights ("bf16", "q8", "q4"), weight_source and wide (see FastDecoder)."""
-    from verispec.fast import gemma3, llama
-
-    for mod, cls in ((llama, "FastLlama"), (gemma3, "FastGemma3")):
-        if getattr(model.config, "model_type", None) in mod.MODEL_TYPES:
-            reason = mod.unsupported_reason(model)
-            if reason:
-                raise UnsupportedModel(f"fast backend: {reason}; use backend 'hf'")
-            return getattr(mod, cls)(model, **weight_options)
-    raise UnsupportedModel(f"fast backend: model type {getattr(model.config, 'model_type', None)!r} is not "
-                           "supported (Llama family, Qwen2/3, Mistral, Gemma 3); use backend 'hf'")
-
-
-# Runners of one model share its fast module: the fused and packed (or quantized) weights, a copy as
-# large as the model, are built once per model and weight setting, and each runner adds only its KV
-# cache. Keyed weakly by the transformers model; the key also holds the kernels packed.py picks now
-# (VERISPEC_PACKED, a test forcing the bf16 hybrid) and the parameters' version counters, so a model
-# changed in place gets a fresh module.
-_SHARED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_fast_model(model, weights: str = "bf16", weight_source=None, wide: bool = True):
-    """build_fast_model(model, ...), built once per model and setting and shared by its runners."""
-    from verispec.fast import packed
-
-    p = next(model.parameters())
-    source = getattr(weight_source, "__self__", weight_source)  # a bound method is new on every access
-    version = sum(t._version for t in model.parameters())
-    key = (weights, id(source) if source is not None else None, wide, packed.linear_for(p.dtype, p.device), version)
-    with _SHARED_LOCK:
-        built = {k: v for k, v in _SHARED.get(model, {}).items() if k[-1] == version}  # stale ones go
-        if key not in built:
-            built[key] = build_fast_model(model, weights=weights, weight_source=weight_source, wide=wide)
-        _SHARED[model] = built
-        return built[key]
+from verispec.backends.base import Scores, TreeMask, path_is_chain
+from verispec.errors import InvalidPrompt
+from verispec.fast import canonical, shared_fast_model
 
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+@dataclass(frozen=True)
+class PassMode:
+    """How the passes that return logits run in one generation: made once per generation (FastRunner.reset,
+    from the runner's exact setting and the sampling parameters) and read by every pass; prefill
+    (last_only) runs its own row count over the filled slots in every mode.
+
+    rows:      "natural" each pass runs its own row count, never below the kernels' row floor (where
+                         row_invariance.py finds none, as "bucket")
+               "bucket"  each pass runs exactly exact_bucket rows
+               "own"     its own row count, not exact (compiled: the next token bucket)
+    blocks:    attend over whole kv blocks (L a multiple of kv_block: a position's result does not depend
+               on how far L reaches); False: over the filled slots rounded to 16
+    canonical: canonical.py's layout-free attention (a tree node gets a chain's bits); False: fused SDPA
+    """
+
+    rows: str = "natural"
+    blocks: bool = True
+    canonical: bool = True
+
+    @property
+    def exact(self) -> bool:
+        return self.rows != "own"
+
+    @classmethod
+    def of(cls, exact: bool, compiled: bool = False, natural_rows: bool = True, canonical: bool = True) -> "PassMode":
+        """Exact mode on or off for a runner (compiled: torch.compile'd passes keep the fused kernel).
+        natural_rows False: exact passes run exact_bucket rows; canonical False: fused attention."""
+        if not exact:
+            return cls(rows="own", blocks=compiled, canonical=False)
+        canonical = canonical and not compiled
+        return cls(rows="natural" if natural_rows and canonical else "bucket", blocks=True, canonical=canonical)
+
+
 class FastRunner:
-    def __init__(self, model, capacity: int | None = None, exact: bool | None = None, exact_bucket: int = 8,
+    """The Runner contract (backends/base.py) over a fast family module (verispec/fast/)."""
+
+    can_features = True
+
+    def __init__(self, model, capacity: int | None = None, exact: bool | PassMode | None = None, exact_bucket: int = 8,
                  exact_max_rows: int = 32,
                  compile: bool = False, buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
                  prefill_chunk: int = 256, kv_block: int = 512, weights: str | None = None, weight_source=None,
                  wide: bool = True, native: bool = True):
         """model: a loaded transformers causal LM of a supported family (its weights are shared).
         capacity: the most positions a sequence may hold (default: min(max positions, 4096)).
-        exact: True / False, or None = on for greedy and off for sampling (set by `prepare`).
+        exact: True / False / a PassMode for every generation, or None = exact mode for greedy decoding
+        and not for sampling (chosen per generation by reset).
         weights: "bf16" (dense), "q8", "q4" (fast/quant.py), or None / "auto" (quant.resolve);
         weight_source: name -> a file's own weights (models/gguf_weights.py), None: the model's.
         wide: quantized weights keep a dense copy for prefill and for passes outside exact mode of
@@ -122,12 +121,8 @@ class FastRunner:
         self.exact_max_rows = exact_max_rows
         self.compile = compile
         self.native, self.wide = native, wide
-        self.exact_setting = exact
-        self.exact = True if exact is None else bool(exact)
-        self.canonical = True  # exact mode's layout-independent attention (canonical.py); False: fused SDPA
-        # exact mode: where the kernels are row-invariant (row_invariance.py), passes run their natural row
-        # count (never below the probe's floor); False: every pass runs exact_bucket rows
-        self.natural_rows = True
+        self.fixed_mode = exact if isinstance(exact, PassMode) or exact is None else PassMode.of(bool(exact), compile)
+        self.mode = self.fixed_mode or PassMode.of(True, compile)
         self.headroom = max(max(self.buckets), exact_bucket, exact_max_rows, prefill_chunk)  # padding rows write past the end
         self.slots_total = _round_up(self.capacity + self.headroom, kv_block)
         self.device = self.net.device
@@ -135,10 +130,6 @@ class FastRunner:
         self.slot_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._grow(self.slots_total if compile else min(self.slots_total, 4 * kv_block))
         self.length = 0
-        self.last_hidden_states = None
-        # as HFRunner: hidden-state indices kept from every forward for drafters that read target features
-        self.feature_layers: tuple[int, ...] | None = None
-        self.last_features = None
 
     @property
     def allocated(self) -> int:
@@ -164,21 +155,25 @@ class FastRunner:
         self.kv, self.slot_pos = kv, pos
 
     # -- the runner interface -------------------------------------------------------------------
-    def prepare(self, params) -> None:
-        """Called by the engine before a generation: exact mode follows greedy unless fixed."""
-        if self.exact_setting is None:
-            self.exact = bool(getattr(params, "greedy", True))
-
-    def reset(self) -> None:
+    def reset(self, params=None, mode: PassMode | None = None) -> None:
+        """mode: this generation's PassMode (a benchmark measuring one); else the fixed one, or exact mode
+        when params are greedy; neither params nor mode: the last generation's."""
+        if mode is not None or params is not None:
+            self.mode = mode or self.fixed_mode or PassMode.of(bool(params.greedy), self.compile)
         self.length = 0  # stale slots stay finite and are masked out
 
-    def crop(self, length: int) -> None:
+    def check_tree_support(self) -> None:
+        """Trees are native here (an ancestor mask over the slots)."""
+
+    def rollback(self, length: int) -> None:
         if length < self.length:
             self.length = max(0, int(length))
 
     @torch.inference_mode()  # the cache is an inference tensor once a forward has grown it
-    def compact(self, start: int, keep: list[int] | torch.Tensor) -> None:
-        """Move the entries at slots start + keep[i] to slot start + i; length becomes start + len(keep)."""
+    def commit(self, start: int, keep: list[int] | torch.Tensor) -> None:
+        if path_is_chain(keep):
+            self.rollback(start + len(keep))
+            return
         idx = torch.as_tensor(keep, dtype=torch.long, device=self.device) + start
         m = int(idx.numel())
         for cache in self.kv:
@@ -187,31 +182,13 @@ class FastRunner:
         self.length = start + m
 
     @torch.inference_mode()
-    def forward(self, ids, last_only: bool = False) -> torch.Tensor:
-        """ids [n] appended after the cached positions -> logits [n, V] (or [1, V] with last_only)."""
+    def forward(self, ids, tree: TreeMask | None = None, *, last_only: bool = False,
+                features: tuple[int, ...] = ()) -> Scores:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
-        return self._run(ids, None, None, last_only)
-
-    @torch.inference_mode()
-    def forward_tree(self, ids, ancestor_mask: torch.Tensor, depths: torch.Tensor,
-                     tree_start: int | None = None) -> torch.Tensor:
-        """n tree nodes at slots length..length+n-1; node i sees the cache and node j iff
-        ancestor_mask[i, j]; its position id is length + depths[i]. -> logits [n, V].
-
-        tree_start (as HFRunner: drafters that grow a tree over several calls): the slots from
-        tree_start on hold earlier nodes of the same tree; ancestor_mask is then [n, length - tree_start + n]
-        over those slots and the new ones, depths covers them too, and positions are tree_start + depths.
-        """
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
-        n = int(ids.numel())
-        start = self.length if tree_start is None else int(tree_start)
-        cols = self.length - start + n
-        anc = torch.as_tensor(ancestor_mask, dtype=torch.bool).to(self.device)
-        depths = torch.as_tensor(depths, dtype=torch.long).to(self.device).reshape(-1)
-        if not 0 <= start <= self.length or anc.shape != (n, cols) or depths.numel() != cols:
-            raise ValueError(f"tree of {n} new nodes over {cols} tree slots needs ancestor_mask [{n}, {cols}] "
-                             f"and depths [{cols}], got {tuple(anc.shape)} and {tuple(depths.shape)}")
-        return self._run(ids, anc, start + depths[cols - n:], False, tree_start=start)
+        if tree is None:
+            return self._run(ids, None, None, last_only, features)
+        start, anc, depths = tree.checked(int(ids.numel()), self.length, self.device)
+        return self._run(ids, anc, start + depths[-ids.numel():], last_only, features, tree_start=start)
 
     # -- one call, cut into passes ------------------------------------------------------------------
     def _pass_size(self, remaining: int, last_only: bool) -> tuple[int, int]:
@@ -219,7 +196,7 @@ class FastRunner:
         if last_only:
             take = min(remaining, self.prefill_chunk)
             return take, take  # prefill runs eager at its exact size
-        if self.exact:
+        if self.mode.exact:
             floor = self._natural_floor()
             if floor is not None:  # row-invariant kernels: the natural row count, never below the floor
                 take = min(remaining, self.exact_max_rows)
@@ -232,14 +209,33 @@ class FastRunner:
         return take, next(b for b in self.buckets if b >= take)
 
     def _natural_floor(self) -> int | None:
-        """Exact mode's row floor where passes run their natural row count (eager, canonical attention,
-        row-invariant kernels up to exact_max_rows: row_invariance.py), else None."""
-        if not self.natural_rows or self.compile or not self.canonical:
+        """Exact mode's row floor where passes run their natural row count (row-invariant kernels up to
+        exact_max_rows: row_invariance.py), else None."""
+        if self.mode.rows != "natural":
             return None
         return self.net.row_floor(self.exact_max_rows, self.kv_block)
 
+    def _mask(self, anc: torch.Tensor | None, rows: slice, T: int, L: int, pos: torch.Tensor, slots: torch.Tensor,
+              tree_start: int, layout_free: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pass's [T, L] mask and canonical order (column -> slot; None: the columns are the slots).
+        rows: the pass's nodes among the tree's (anc's rows); the rows past them are padding."""
+        cols = torch.arange(L, device=self.device)
+        if anc is None:  # chain: causal over slots, whose slots are its positions
+            return cols[None, :] <= slots[:, None], None
+        width = min(anc.shape[1], L - tree_start)
+        if layout_free:  # columns are positions: row i's ancestors are gathered to theirs
+            order = cols.expand(T, L).clone()
+            rr, jj = anc[rows, :width].nonzero(as_tuple=True)
+            order[rr, self.slot_pos[tree_start + jj]] = tree_start + jj
+            return cols[None, :] <= pos[:, None], order
+        take = rows.stop - rows.start
+        mask = (cols < tree_start)[None, :].expand(T, L).clone()
+        mask[:take, tree_start:tree_start + width] = anc[rows, :width]
+        mask[take:] = cols[None, :] <= slots[take:, None]  # padding rows: harmless causal rows
+        return mask, None
+
     def _run(self, ids: torch.Tensor, anc: torch.Tensor | None, positions: torch.Tensor | None,
-             last_only: bool, tree_start: int = 0) -> torch.Tensor:
+             last_only: bool, capture: tuple[int, ...], tree_start: int = 0) -> Scores:
         """ids [n]; chain (anc None: causal, positions length..) or tree (anc [n, C] over the slots from
         tree_start, positions [n])."""
         n = int(ids.numel())
@@ -262,13 +258,12 @@ class FastRunner:
             take, T = self._pass_size(n - c0, last_only)
             c1 = c0 + take
             first = base + c0  # first slot of this pass
-            exact_shape = self.exact and not last_only
-            compiled = self.compile and not last_only
-            layout_free = exact_shape and not compiled and self.canonical  # canonical.py: trees exact too
+            exact_shape = self.mode.exact and not last_only
+            layout_free = self.mode.canonical and not last_only  # canonical.py: trees exact too
             # exact shapes attend in whole kv blocks (see the module docstring); other passes over the
             # filled slots only, rounded to whole SIMD vectors (T = 1 after 200 tokens: 36 us per layer
             # over 208 slots vs 80 us over 512, measured 2026-12-03)
-            block = self.kv_block if exact_shape or compiled else 16
+            block = self.kv_block if self.mode.blocks and not last_only else 16
             L = min(self.allocated, _round_up(first + T, block))
             slots = torch.arange(first, first + T, device=dev)
             pos = torch.empty(T, dtype=torch.long, device=dev)
@@ -277,21 +272,7 @@ class FastRunner:
             tok = torch.zeros(T, dtype=torch.long, device=dev)
             tok[:take] = ids[c0:c1]
             self.slot_pos[first:first + T] = pos
-            cols = torch.arange(L, device=dev)
-            order = None  # canonical column -> slot; None: a chain, whose slots are its positions
-            if anc is None:  # chain: causal over slots
-                mask = cols[None, :] <= slots[:, None]
-            elif layout_free:  # columns are positions: row i's ancestors are gathered to theirs
-                width = min(anc.shape[1], L - tree_start)
-                order = cols.expand(T, L).clone()
-                rr, jj = anc[c0:c1, :width].nonzero(as_tuple=True)
-                order[rr, self.slot_pos[tree_start + jj]] = tree_start + jj
-                mask = cols[None, :] <= pos[:, None]
-            else:
-                mask = (cols < tree_start)[None, :].expand(T, L).clone()
-                width = min(anc.shape[1], L - tree_start)
-                mask[:take, tree_start:tree_start + width] = anc[c0:c1, :width]
-                mask[take:] = cols[None, :] <= slots[take:, None]  # padding rows: harmless causal rows
+            mask, order = self._mask(anc, slice(c0, c1), T, L, pos, slots, tree_start, layout_free)
             canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start) if layout_free else None
             if last_only:
                 rows = slice(take - 1, take) if c1 == n else slice(0, 0)
@@ -299,17 +280,16 @@ class FastRunner:
                 rows = slice(0, T) if exact_shape else slice(0, take)
             captured: list = []
             logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.kv, rows=rows,
-                                      compiled=compiled, capture=self.feature_layers, captured=captured,
+                                      compiled=self.compile and not last_only, capture=capture or None, captured=captured,
                                       canon=canon, wide=self.wide and not exact_shape, native=self.native)
-            if self.feature_layers:
+            if capture:
                 got = dict(captured)
-                feats.append(torch.cat([got[i][:take] for i in self.feature_layers], dim=-1))
+                feats.append(torch.cat([got[i][:take] for i in capture], dim=-1))
             if not last_only:
                 logits = logits[:take]
             if logits.shape[0]:
                 out.append(logits)
             c0 = c1
         self.length = base + n
-        if self.feature_layers:
-            self.last_features = feats[0] if len(feats) == 1 else torch.cat(feats, dim=0)
-        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+        cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # noqa: E731
+        return Scores(cat(out), cat(feats) if capture else None)

@@ -1,0 +1,85 @@
+"""A generation's committed tokens and their text, and the rules that end it: EOS, max_new_tokens, the
+context window, stop strings (held back while they may still complete)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from verispec.types import SamplingParams, StepResult
+
+
+@dataclass
+class StepEvent:
+    """Tokens committed by one step, as they are streamed."""
+
+    step: int
+    token_ids: list[int]
+    kinds: list[str]   # "accepted" | "recovered" | "bonus" per token
+    text: str          # the new text these tokens made visible (may lag a token behind at UTF-8/stop boundaries)
+
+
+class _TextTracker:
+    """Incremental detokenization with stop strings: holds back text that may still become a stop
+    string or an incomplete UTF-8 character."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
+        self.decode, self.stop = decode, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.emitted = ""
+        self.text = ""
+        self.stopped = False
+
+    def update(self, ids: list[int], final: bool) -> str:
+        text = self.decode(ids)
+        if self.stop:
+            cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, self.stopped, final = text[:cut], True, True
+        self.text = text
+        visible = text if final else text.rstrip("\ufffd")
+        if not final and self.hold:
+            visible = visible[: max(len(visible) - self.hold, len(self.emitted))]
+        if not visible.startswith(self.emitted):
+            return ""  # detokenization rewrote earlier text; wait for it to settle
+        delta = visible[len(self.emitted):]
+        self.emitted = visible
+        return delta
+
+
+class Output:
+    """A generation's committed tokens and the rules that end it: EOS, max_new_tokens, the context
+    window, stop strings (through the text tracker)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int], context_length: int,
+                 decode: Callable[[list[int]], str]):
+        self.context, self.out, self.kinds, self.finish = list(prompt_ids), [], [], ""
+        self.params, self.eos_ids, self.context_length = params, eos_ids, context_length
+        self.text = _TextTracker(decode, params.stop)
+
+    def room(self) -> int:
+        """Tokens the generation may still commit."""
+        return min(self.params.max_new_tokens - len(self.out), self.context_length - len(self.context))
+
+    def add(self, step: int, result: StepResult) -> StepEvent:
+        """Commit a step's tokens and decide whether the generation ends here."""
+        new_ids, new_kinds = [], []
+        for tok, kind in zip(result.tokens, result.kinds()):
+            if tok in self.eos_ids:
+                self.finish = "stop"
+                break
+            new_ids.append(tok)
+            new_kinds.append(kind)
+            if len(self.out) + len(new_ids) >= self.params.max_new_tokens:
+                self.finish = "length"
+                break
+        self.context.extend(result.tokens)
+        self.out.extend(new_ids)
+        self.kinds.extend(new_kinds)
+        if not self.finish and len(self.context) >= self.context_length:
+            self.finish = "length"
+        delta = self.text.update(self.out, final=bool(self.finish))
+        if self.text.stopped:
+            self.finish = "stop"
+            delta += self.text.update(self.out, final=True)
+        return StepEvent(step=step, token_ids=new_ids, kinds=new_kinds, text=delta)
