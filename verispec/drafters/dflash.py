@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.eagle import FeatureQueue, RMSNorm, _rotate, default_feature_layers
+from verispec.drafters.head_parts import FeatureQueue, RMSNorm, default_feature_layers, rotate
 from verispec.drafters.medusa import PositionDrafting
 from verispec.errors import HeadMismatch
 from verispec.types import SamplingParams, StepResult
@@ -137,7 +137,7 @@ class BlockDrafterModel(nn.Module):
         for i, layer in enumerate(self.layers):
             k = self.lin(f"layers.{i}.k", layer.k, c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
             v = self.lin(f"layers.{i}.v", layer.v, c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            out.append((_rotate(k, pos, self.inv_freq), v))
+            out.append((rotate(k, pos, self.inv_freq), v))
         return out
 
     def block_inputs(self, pending: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -161,7 +161,7 @@ class BlockDrafterModel(nn.Module):
             q = self.lin(f"layers.{i}.q", layer.q, h).unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
             k = self.lin(f"layers.{i}.k", layer.k, h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
             v = self.lin(f"layers.{i}.v", layer.v, h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            q, k = _rotate(q, pos, self.inv_freq), _rotate(k, pos, self.inv_freq)
+            q, k = rotate(q, pos, self.inv_freq), rotate(k, pos, self.inv_freq)
             K = torch.cat([ctx[i][0].to(k.dtype), k], dim=-2)
             V = torch.cat([ctx[i][1].to(v.dtype), v], dim=-2)
             rep = self.n_heads // self.n_kv

@@ -36,6 +36,15 @@ class Candidate:
     depth: int = 1
 
 
+def ancestors(cands: Sequence[Candidate], c: int) -> list[int]:
+    """The drafted ancestors of candidate c, its parent first."""
+    out, p = [], cands[c].parent
+    while p >= 0:
+        out.append(p)
+        p = cands[p].parent
+    return out
+
+
 def select_best(cands: Sequence[Candidate], budget: int) -> list[int]:
     """Indices of the `budget` best candidates by score, closed under ancestors, in creation order."""
     order = sorted(range(len(cands)), key=lambda i: (-cands[i].score, cands[i].depth, i))

@@ -1,0 +1,101 @@
+"""The parts the drafters on the target's hidden features share (the EAGLE head, the Medusa heads, the
+block drafter): their layers, which target layers they read, the queue of features the engine hands
+over, and the draft-vocabulary side of choosing tokens (a chain's, and tree children's for the tree
+builder, tree.build).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verispec.sampling import logits_to_probs, sample
+from verispec.types import SamplingParams
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x [..., heads, T, hd], pos [..., T] -> same shape."""
+    freqs = pos.float()[..., None] * inv_freq  # [..., T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def default_feature_layers(num_hidden_layers: int) -> list[int]:
+    """Hidden-state indices (transformers' numbering: i = output of decoder layer i - 1) of a low, a
+    middle and a high layer, the choice of EAGLE-3's reference code (layers 2, L/2, L-3)."""
+    L = num_hidden_layers
+    return sorted({min(3, L), max(1, L // 2 + 1), max(1, L - 2)})
+
+
+class HeadDrafting:
+    """What the EAGLE, Medusa and block drafters share: the draft vocabulary map, choosing a chain token,
+    and scoring tree children (tree.build.Scorer)."""
+
+    vocab: int
+    d2t: torch.Tensor
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    def full_logits(self, lg: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf elsewhere)."""
+        out = lg.new_full((*lg.shape[:-1], self.vocab), float("-inf"))
+        out[..., self.d2t] = lg
+        return out
+
+    def q_of(self, lg: torch.Tensor) -> torch.Tensor:
+        """The draft distribution over the target vocabulary, after the target's sampling transform."""
+        return logits_to_probs(self.full_logits(lg.float()), self.params)
+
+    def choose(self, lg: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One chain token: argmax when greedy (no q needed), else a draw from q (and q)."""
+        if self.params.greedy:
+            return int(self.d2t[int(lg.argmax())]), None
+        q = self.q_of(lg)
+        return sample(q, self.generator), q
+
+    def ranking(self, lg: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, Vd] -> the probabilities that rank point-mass tree children (a Scorer's)."""
+        return lg.float().softmax(-1)
+
+
+class FeatureQueue:
+    """Target features handed over by the engine (observe_features) and not yet turned into the drafter's
+    cache entries; the EAGLE and block drafters share it."""
+
+    device: torch.device
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    def clear_features(self) -> None:
+        self.features: list[torch.Tensor] = []  # not yet turned into entries
+        self.n_features = 0                     # received so far (positions 0..n_features-1)
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.reset()
+        self.params, self.generator = params, generator
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
+        self.features.append(features.to(self.device))
+        self.n_features += int(features.shape[0])
+
+    def take_features(self) -> torch.Tensor | None:
+        """The queued features as one [m, F] tensor (the queue empties), or None when there are none."""
+        if not self.features:
+            return None
+        feats = torch.cat(self.features, dim=0)
+        self.features = []
+        return feats
