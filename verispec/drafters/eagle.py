@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import FeatureQueue, HeadDrafting, RMSNorm, default_feature_layers, rotate
+from verispec.drafters.head_parts import (FeatureQueue, HeadDrafting, PackedLinears, RMSNorm, default_feature_layers,
+                                          load_module, rotate)
 from verispec.errors import HeadMismatch
 from verispec.tree import Candidate, ancestors, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
@@ -41,7 +42,7 @@ from verispec.types import Proposal, SamplingParams, StepResult
 LAYOUTS = ("verispec", "eagle3")
 
 
-class EagleHead(nn.Module):
+class EagleHead(PackedLinears, nn.Module):
     """The trainable head. `config` is the head's config.json (see heads/__init__.py)."""
 
     def __init__(self, config: dict):
@@ -82,7 +83,6 @@ class EagleHead(nn.Module):
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.embed: torch.Tensor | None = None  # the target's embedding table (frozen, not saved)
-        self._packed: dict[str, torch.Tensor] | None = None  # inference copies of the weights (pack_for_inference)
 
     @staticmethod
     def make_config(target, draft_vocab_size: int, feature_layers: list[int] | None = None,
@@ -102,30 +102,6 @@ class EagleHead(nn.Module):
 
     def attach_embedding(self, weight: torch.Tensor) -> None:
         self.embed = weight.detach()
-
-    def pack_for_inference(self, dtype: torch.dtype) -> None:
-        """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (fast/packed.py).
-        The float32 weights read by F.linear made drafting ~60% of an EAGLE step's drafting time on this
-        CPU (a draft forward reads 25 MB at ~8 GB/s). The trained parameters are untouched (training and
-        saving never see the copies); activations stay float32 between the linears."""
-        from verispec.fast.packed import linear_for
-
-        device = self.fc.weight.device
-        pack, lin = linear_for(dtype, device)
-        if lin is F.linear and dtype == self.fc.weight.dtype:
-            self._packed = None
-            return
-        self._packed = {name: pack(m.weight.detach().to(dtype)) for name, m in self.named_children()
-                        if isinstance(m, nn.Linear)}
-        self._packed_linear, self._packed_dtype = lin, dtype
-
-    def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """The linear layer `name` applied to x (the packed copy when there is one)."""
-        if self._packed is None:
-            return getattr(self, name)(x)
-        flat = x.reshape(-1, x.shape[-1]).to(self._packed_dtype)
-        out = self._packed_linear(flat, self._packed[name])
-        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
     # the pieces shared by inference (drafter below) and training (train/loops.py)
     def project(self, features: torch.Tensor) -> torch.Tensor:
@@ -164,17 +140,7 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(target, head: str | Path | None = None, device=None) -> EagleHead:
     """The EAGLE head at `head` (default: the one shipped for the target), checked against the target."""
-    from verispec.heads import read_head, resolve_head
-
-    path = resolve_head(target, "eagle", head)
-    config, tensors = read_head(path, "eagle", target)
-    module = EagleHead(config)
-    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
-                                                 strict=False)
-    if missing or unexpected:
-        raise HeadMismatch(f"the eagle head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
-    module.attach_embedding(target.model.get_input_embeddings().weight)
-    return module.to(device or target.device).eval()
+    return load_module(target, "eagle", EagleHead, head, device)
 
 
 class EagleDrafter(FeatureQueue, HeadDrafting):

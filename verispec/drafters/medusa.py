@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import HeadDrafting
-from verispec.errors import HeadMismatch
+from verispec.drafters.head_parts import HeadDrafting, load_module
 from verispec.tree import Candidate, DynamicTree, StaticTree, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
 
@@ -65,16 +64,7 @@ class MedusaHeads(nn.Module):
 
 
 def load_medusa_heads(target, head: str | Path | None = None, device=None) -> MedusaHeads:
-    from verispec.heads import read_head, resolve_head
-
-    path = resolve_head(target, "medusa", head)
-    config, tensors = read_head(path, "medusa", target)
-    module = MedusaHeads(config)
-    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
-                                                 strict=False)
-    if missing or unexpected:
-        raise HeadMismatch(f"the medusa head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
-    return module.to(device or target.device).eval()
+    return load_module(target, "medusa", MedusaHeads, head, device, embed=False)
 
 
 class PositionDrafting(HeadDrafting):
