@@ -140,7 +140,8 @@ def build_tree(scorer: Scorer, shape: StaticTree | DynamicTree, sampled: bool = 
     """The candidates of one tree and the indices of those to propose (creation order). sampled: draw a
     static tree's children from q (dynamic trees always rank point masses). prune: stop a dynamic tree
     once no deeper node can enter the `budget` best (a child scores at most its parent: same tree, less
-    work)."""
+    work). A static tree's nodes are scored one per call, a dynamic tree's a depth per call: a batched
+    matmul's rows need not equal one-row results, so keeping each shape's batching keeps its tokens."""
     cands: list[Candidate] = []
 
     def add(kids: list[Candidate]) -> list[int]:
