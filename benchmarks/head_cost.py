@@ -93,7 +93,8 @@ def main() -> None:
         eagle.scratch = eagle.n
         hs = h[None].expand(m, -1)
         out = eagle._expand(ctx[-m:], hs, 1, [[] for _ in range(m)])
-        eagle.top_children(eagle.head.logits(out), list(range(m)), [1.0] * m, 2, 4)
+        vals, idx = eagle.ranking(eagle.head.logits(out)).topk(4, dim=-1)  # the tree builder's top-k step
+        eagle.d2t[idx].tolist(), vals.tolist()
 
     medusa.begin(ctx, params, None)
     medusa.observe_features(feats[:-1, cols["medusa"]])

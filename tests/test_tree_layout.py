@@ -146,3 +146,38 @@ def test_rank_acceptance_and_stats_by_rank():
     assert stats.offered_by_rank == [3, 2] and stats.accepted_by_rank == [1, 2]
     assert stats.drafted_by_position == [1, 1, 1] and stats.accepted_by_position == [1, 1, 1]
     assert stats.nodes_per_step == 5 and "sibling rank" in stats.summary()
+
+
+class TableScorer:
+    """A tree builder Scorer whose children's logits depend on the depth only; records what it fed."""
+
+    d2t = None
+
+    def __init__(self, logits):
+        self.logits, self.fed = torch.tensor(logits), []
+
+    def feed(self, cands, nodes):
+        self.fed.append(list(nodes))
+
+    def child_logits(self, cands, nodes):
+        return self.logits[cands[nodes[0]].depth if nodes[0] >= 0 else 0].expand(len(nodes), -1)
+
+    def q_of(self, logits):
+        return logits.softmax(-1)
+
+    def ranking(self, logits):
+        return logits.softmax(-1)
+
+
+def test_tree_builder_static_and_dynamic():
+    from verispec.tree import build_tree, sample_without_replacement
+
+    s = TableScorer([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 3.0, 2.0]])
+    cands, keep = build_tree(s, StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0))))
+    assert [(c.token, c.parent) for c in cands] == [(0, -1), (1, -1), (2, 0), (3, 0), (2, 1)] and keep == [0, 1, 2, 3, 4]
+    assert s.fed == [[0, 1]] and cands[2].score == pytest.approx(float(s.ranking(s.logits)[0, 0] * s.ranking(s.logits)[1, 2]))
+    s = TableScorer([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 3.0, 2.0]])
+    cands, keep = build_tree(s, DynamicTree(budget=3, topk=2, depth=2))
+    assert s.fed == [[0, 1]] and [(cands[c].token, cands[c].parent) for c in keep] == [(0, -1), (1, -1), (2, 0)]
+    draws = sample_without_replacement(torch.tensor([0.5, 0.5, 0.0]), 3, torch.Generator().manual_seed(0))
+    assert sorted(x for x, _, _ in draws) == [0, 1] and draws[1][2].tolist() == [float(i != draws[0][0]) for i in range(2)] + [0.0]

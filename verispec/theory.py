@@ -62,10 +62,8 @@ def acceptance_from_tokens(tau: float, k: float, tol: float = 1e-10) -> float:
 
 
 class CostCurve:
-    """Measured cost of one target forward over N new positions, relative to N = 1.
-
-    Linear interpolation between measured N; linear extrapolation past the largest one (the
-    compute-bound regime grows linearly in N)."""
+    """Measured cost of one target forward over N new positions (seconds), and relative to N = 1; the
+    one curve of the project (the tree budget, tree/budget.choose_budget, prices trees with it too)."""
 
     def __init__(self, ns: list[int], times: list[float], source: str = ""):
         if not ns or len(ns) != len(times):
@@ -95,18 +93,23 @@ class CostCurve:
         except (KeyError, TypeError) as exc:
             raise InvalidParameter(f"{source or 'the data'} is not a roofline result (no points with n/median_s)") from exc
 
+    def seconds(self, n: float) -> float:
+        """T(n): linear between measured sizes (exact at each), flat below the smallest, and past the
+        largest growing with the last segment's slope (the compute-bound regime)."""
+        ns, ts = self.ns, self.times
+        if n <= ns[0]:
+            return ts[0]
+        for i in range(1, len(ns)):
+            if n <= ns[i]:
+                w = (n - ns[i - 1]) / (ns[i] - ns[i - 1])
+                return ts[i - 1] * (1 - w) + ts[i] * w
+        if len(ns) == 1:
+            return ts[0]
+        return ts[-1] + (ts[-1] - ts[-2]) / (ns[-1] - ns[-2]) * (n - ns[-1])
+
     def ratio(self, n: float) -> float:
         """T(n) / T(1)."""
-        if n <= self.ns[0]:
-            return 1.0
-        t1 = self.times[0]
-        for (n0, t0), (n1, t1_) in zip(zip(self.ns, self.times), zip(self.ns[1:], self.times[1:])):
-            if n <= n1:
-                return (t0 + (t1_ - t0) * (n - n0) / (n1 - n0)) / t1
-        if len(self.ns) == 1:
-            return 1.0
-        (n0, t0), (n1, t1_) = (self.ns[-2], self.times[-2]), (self.ns[-1], self.times[-1])
-        return (t1_ + (t1_ - t0) * (n - n1) / (n1 - n0)) / t1
+        return self.seconds(n) / self.times[0]
 
 
 def speedup(a: float, k: float, c: float, curve: CostCurve | None = None) -> float:

@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.eagle import FeatureQueue, RMSNorm, _rotate, default_feature_layers
+from verispec.drafters.head_parts import FeatureQueue, PackedLinears, RMSNorm, default_feature_layers, load_module, rotate
 from verispec.drafters.medusa import PositionDrafting
-from verispec.errors import HeadMismatch
 from verispec.types import SamplingParams, StepResult
 
 
@@ -54,7 +53,7 @@ class BlockLayer(nn.Module):
         self.down = nn.Linear(inter, H, bias=False)
 
 
-class BlockDrafterModel(nn.Module):
+class BlockDrafterModel(PackedLinears, nn.Module):
     """The trainable drafter. `config` is its config.json (see heads/__init__.py)."""
 
     def __init__(self, config: dict):
@@ -80,7 +79,6 @@ class BlockDrafterModel(nn.Module):
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.embed: torch.Tensor | None = None  # the target's embedding table (frozen, not saved)
-        self._packed: dict[str, torch.Tensor] | None = None
         for layer in self.layers:  # residual branches start at zero: every layer starts as the identity,
             nn.init.zeros_(layer.o.weight)  # so the first logits are flat (loss ~ log Vd), not confident noise
             nn.init.zeros_(layer.down.weight)
@@ -105,39 +103,19 @@ class BlockDrafterModel(nn.Module):
     def attach_embedding(self, weight: torch.Tensor) -> None:
         self.embed = weight.detach()
 
-    def pack_for_inference(self, dtype: torch.dtype) -> None:
-        """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (as
-        EagleHead.pack_for_inference); training and saving never see the copies."""
-        from verispec.fast.packed import linear_for
-
-        pack, lin = linear_for(dtype, self.fc.weight.device)
-        if lin is F.linear and dtype == self.fc.weight.dtype:
-            self._packed = None
-            return
-        self._packed = {name: pack(m.weight.detach().to(dtype)) for name, m in self.named_modules()
-                        if isinstance(m, nn.Linear)}
-        self._packed_linear, self._packed_dtype = lin, dtype
-
-    def lin(self, name: str, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            return module(x)
-        flat = x.reshape(-1, x.shape[-1]).to(self._packed_dtype)
-        out = self._packed_linear(flat, self._packed[name])
-        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
-
     # ---- the pieces shared by inference (BlockDrafter) and training (train/loops.py)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., T, len(layers) * H] -> fused context features c [..., T, H]."""
-        return self.norm_c(self.lin("fc", self.fc, features.to(self.fc.weight.dtype)))
+        return self.norm_c(self.lin("fc", features.to(self.fc.weight.dtype)))
 
     def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """c [..., T, H] at positions pos [..., T] -> per layer (k, v) [..., nkv, T, hd] (k rotated)."""
         out = []
         for i, layer in enumerate(self.layers):
-            k = self.lin(f"layers.{i}.k", layer.k, c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            v = self.lin(f"layers.{i}.v", layer.v, c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            out.append((_rotate(k, pos, self.inv_freq), v))
+            k = self.lin(f"layers.{i}.k", c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            v = self.lin(f"layers.{i}.v", c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            out.append((rotate(k, pos, self.inv_freq), v))
         return out
 
     def block_inputs(self, pending: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -148,7 +126,7 @@ class BlockDrafterModel(nn.Module):
         CPU-sized training run cannot wait for (the pending token's embedding alone in row 0, as in
         DFlash, learnt next to nothing in 170 steps here)."""
         e = self.norm_e(F.embedding(pending, self.embed).to(self.mask_embed.dtype))
-        fused = self.lin("inp", self.inp, torch.cat([e, last.to(e.dtype)], dim=-1))
+        fused = self.lin("inp", torch.cat([e, last.to(e.dtype)], dim=-1))
         slots = torch.cat([self.mask_embed.new_zeros(1, self.hidden), self.mask_embed], dim=0)
         return fused[..., None, :] + slots
 
@@ -158,36 +136,24 @@ class BlockDrafterModel(nn.Module):
         [b, 1, R, S + R] (True = visible) or None (all visible) -> logits [b, R, Vd] over the draft vocabulary."""
         for i, layer in enumerate(self.layers):
             h = layer.ln1(x)
-            q = self.lin(f"layers.{i}.q", layer.q, h).unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
-            k = self.lin(f"layers.{i}.k", layer.k, h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            v = self.lin(f"layers.{i}.v", layer.v, h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            q, k = _rotate(q, pos, self.inv_freq), _rotate(k, pos, self.inv_freq)
+            q = self.lin(f"layers.{i}.q", h).unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
+            k = self.lin(f"layers.{i}.k", h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            v = self.lin(f"layers.{i}.v", h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            q, k = rotate(q, pos, self.inv_freq), rotate(k, pos, self.inv_freq)
             K = torch.cat([ctx[i][0].to(k.dtype), k], dim=-2)
             V = torch.cat([ctx[i][1].to(v.dtype), v], dim=-2)
             rep = self.n_heads // self.n_kv
             attn = F.scaled_dot_product_attention(q, K.repeat_interleave(rep, -3), V.repeat_interleave(rep, -3),
                                                   attn_mask=mask)
-            x = x + self.lin(f"layers.{i}.o", layer.o, attn.transpose(-3, -2).flatten(-2))
+            x = x + self.lin(f"layers.{i}.o", attn.transpose(-3, -2).flatten(-2))
             h = layer.ln2(x)
-            x = x + self.lin(f"layers.{i}.down", layer.down,
-                             F.silu(self.lin(f"layers.{i}.gate", layer.gate, h)) * self.lin(f"layers.{i}.up", layer.up, h))
-        return self.lin("lm_head", self.lm_head, self.norm(x)).float()
+            x = x + self.lin(f"layers.{i}.down", F.silu(self.lin(f"layers.{i}.gate", h)) * self.lin(f"layers.{i}.up", h))
+        return self.lin("lm_head", self.norm(x)).float()
 
 
 def load_block_drafter(target, head: str | Path | None = None, device=None) -> BlockDrafterModel:
     """The block drafter at `head` (default: the one shipped for the target), checked against the target."""
-    from verispec.heads import check_target, load_head_files, resolve_head
-
-    path = resolve_head(target, "dflash", head)
-    config, tensors = load_head_files(path, "dflash")
-    check_target(config, target, where=f"the dflash drafter at '{path}'")
-    module = BlockDrafterModel(config)
-    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
-                                                 strict=False)
-    if missing or unexpected:
-        raise HeadMismatch(f"the dflash drafter at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
-    module.attach_embedding(target.model.get_input_embeddings().weight)
-    return module.to(device or target.device).eval()
+    return load_module(target, "dflash", BlockDrafterModel, head, device)
 
 
 class BlockDrafter(FeatureQueue, PositionDrafting):

@@ -4,13 +4,9 @@
 Its own KV cache is kept in step with the committed tokens: before each proposal the cache is cut
 back to the longest prefix it shares with the committed sequence, and only the rest is fed.
 
-Trees: the draft model grows the tree depth by depth, feeding each depth's nodes to be expanded in ONE
-forward under a tree mask (Runner.forward with a TreeMask start), and branches into its top-k tokens:
-  * static shapes (tree.StaticTree): each node's children are its top-k tokens as point masses when
-    greedy; when sampling, they are drawn from q without replacement (row i = q with the earlier
-    siblings removed), which keeps the verification exact because the shape does not depend on them;
-  * dynamic shapes (tree.DynamicTree, EAGLE-2): top-k tokens as point masses, ranked by cumulative draft
-    probability (pruning by value would bias sampled candidates; point masses are exact under any choice).
+Trees: the draft model is a tree.build Scorer: the one tree builder picks the nodes and children (top-k
+point masses, or draws without replacement for sampled static trees), and the draft model feeds each
+depth's nodes to be expanded in ONE forward under a tree mask (Runner.forward with a TreeMask start).
 After verification, observe() compacts the accepted path's entries in the draft cache into contiguous
 slots, so the next proposal only feeds the new tokens.
 """
@@ -21,9 +17,9 @@ import torch
 
 from verispec.backends import TreeMask
 from verispec.backends.transformers import HFRunner
-from verispec.sampling import logits_to_probs, sample
-from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
 from verispec.drafters.base import Drafter
+from verispec.sampling import logits_to_probs, sample
+from verispec.tree import Candidate, ancestors, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
@@ -95,86 +91,38 @@ class DraftModelDrafter(Drafter):
     def check_tree_support(self) -> None:
         self.runner.check_tree_support()
 
-    def _children(self, logits: torch.Tensor, parent: int, parent_score: float, depth: int, m: int,
-                  sampled: bool) -> list[Candidate]:
-        logits = self._fit_vocab(logits)
-        if sampled:
-            q = logits_to_probs(logits, self.params)
-            left, out = q.clone(), []
-            for _ in range(m):
-                total = left.sum()
-                if total <= 0:
-                    break
-                qi = left / total
-                x = sample(qi, self.generator)
-                out.append(Candidate(x, parent, parent_score * float(q[x]), qi, depth))
-                left[x] = 0
-            return out
-        # greedy verification ignores q, but ranking needs real probabilities, not the greedy one-hot
-        probs = logits.float().softmax(-1) if self.params.greedy else logits_to_probs(logits, self.params)
-        vals, idx = probs.topk(min(m, probs.shape[-1]))
-        return [Candidate(int(t), parent, parent_score * float(v), None, depth)
-                for v, t in zip(vals.tolist(), idx.tolist()) if v > 0]
+    # the tree builder's Scorer (tree.build): the draft model scores children from its own logits
+    d2t = None
 
-    def _feed(self, cands: list[Candidate], nodes: list[int]) -> torch.Tensor:
-        """Run the draft model on tree nodes whose ancestors were fed before -> their logits [b, V]."""
+    def q_of(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.params)
+
+    def ranking(self, logits: torch.Tensor) -> torch.Tensor:
+        # greedy verification ignores q, but ranking needs real probabilities, not the greedy one-hot
+        return logits.float().softmax(-1) if self.params.greedy else logits_to_probs(logits, self.params)
+
+    def child_logits(self, cands: list[Candidate], nodes: list[int]) -> torch.Tensor:
+        return self._fit_vocab(torch.stack([self._tree["logits"][c] for c in nodes]))
+
+    def feed(self, cands: list[Candidate], nodes: list[int]) -> None:
+        """Run the draft model on tree nodes of one depth, in one forward under a tree mask."""
         t = self._tree
         first, b = len(t["fed_depths"]), len(nodes)
         mask = torch.zeros(b, first + b, dtype=torch.bool)
         for r, c in enumerate(nodes):
             mask[r, first + r] = True
-            p = cands[c].parent
-            while p >= 0:
-                mask[r, t["slot"][p]] = True
-                p = cands[p].parent
+            mask[r, [t["slot"][a] for a in ancestors(cands, c)]] = True
         depths = t["fed_depths"] + [cands[c].depth - 1 for c in nodes]
         logits = self.runner.forward([cands[c].token for c in nodes],
                                      tree=TreeMask(mask, torch.tensor(depths), t["start"])).logits
         for r, c in enumerate(nodes):
-            t["slot"][c] = first + r
+            t["slot"][c], t["logits"][c] = first + r, logits[r]
         t["fed_depths"] = depths
-        return logits
 
     def propose_tree(self, context: list[int], shape) -> Proposal | None:
         root = self.sync(context)
-        self._tree = {"start": self.runner.length, "slot": {}, "fed_depths": [], "keep": []}
-        cands: list[Candidate] = []
-        if isinstance(shape, StaticTree):
-            need = shape.children_ranks()
-            sampled = not self.params.greedy
-            where: dict[tuple, int] = {(): -1}
-            level, logits_of = [()], {(): root}
-            for depth in range(1, shape.depth + 1):
-                new_paths = []
-                for path in level:
-                    if need.get(path, 0) == 0:
-                        continue
-                    parent = where[path]
-                    score = cands[parent].score if parent >= 0 else 1.0
-                    for r, cand in enumerate(self._children(logits_of[path], parent, score, depth, need[path], sampled)):
-                        where[path + (r,)] = len(cands)
-                        cands.append(cand)
-                        new_paths.append(path + (r,))
-                expand = [p for p in new_paths if need.get(p, 0) > 0]
-                if expand:
-                    logits_of.update(zip(expand, self._feed(cands, [where[p] for p in expand])))
-                level = new_paths
-            keep = sorted(where[p] for p in shape.paths if p in where)
-        elif isinstance(shape, DynamicTree):
-            cands = self._children(root, -1, 1.0, 1, shape.topk, sampled=False)
-            frontier = list(range(len(cands)))
-            for depth in range(2, shape.depth + 1):
-                expand = sorted(frontier, key=lambda c: -cands[c].score)[: shape.topk]
-                if not expand:
-                    break
-                frontier = []
-                for row, c in zip(self._feed(cands, expand), expand):
-                    for cand in self._children(row, c, cands[c].score, depth, shape.topk, sampled=False):
-                        frontier.append(len(cands))
-                        cands.append(cand)
-            keep = select_best(cands, shape.budget or 16)
-        else:
-            raise TypeError(f"unknown tree shape {shape!r}")
+        self._tree = {"start": self.runner.length, "slot": {}, "fed_depths": [], "keep": [], "logits": {-1: root}}
+        cands, keep = build_tree(self, shape, not self.params.greedy, self.generator)
         if not keep:
             return None
         self._tree["keep"] = keep

@@ -15,10 +15,9 @@ first layer (attention reads the 2H concatenation, residual g_t), the form vLLM 
 Its KV cache keeps committed positions only: the entry of position t needs the target's feature of t
 and the token x_{t+1}, so after each verification the engine hands over the features of the accepted
 positions (Engine: drafter.observe_features) and the next proposal first appends their entries (one
-forward), then drafts in scratch slots past them, which the next proposal overwrites. Trees: dynamic
-(EAGLE-2: expand the top-k nodes of each depth by cumulative draft probability, keep the `budget`
-best, point masses) or static (top-k children; sampled without replacement when sampling), drafted
-depth by depth, each depth in one forward under a tree mask.
+forward), then drafts in scratch slots past them, which the next proposal overwrites. Trees: the
+drafter is a tree.build Scorer (the builder picks nodes and children, static or dynamic); each depth
+of the tree is drafted in one forward under a tree mask.
 
 Sampling: a chain's tokens are drawn from the head's distribution q (the same temperature/top-k/top-p
 transform as the target, zero outside the draft vocabulary), and q goes with the proposal, so the
@@ -33,44 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.drafters.head_parts import (FeatureQueue, HeadDrafting, PackedLinears, RMSNorm, default_feature_layers,
+                                          load_module, rotate)
 from verispec.errors import HeadMismatch
-from verispec.sampling import logits_to_probs, sample
-from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
-from verispec.drafters.base import Drafter
+from verispec.tree import Candidate, ancestors, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def _rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding: x [..., heads, T, hd], pos [..., T] -> same shape."""
-    freqs = pos.float()[..., None] * inv_freq  # [..., T, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-def default_feature_layers(num_hidden_layers: int) -> list[int]:
-    """Hidden-state indices (transformers' numbering: i = output of decoder layer i - 1) of a low, a
-    middle and a high layer, the choice of EAGLE-3's reference code (layers 2, L/2, L-3)."""
-    L = num_hidden_layers
-    return sorted({min(3, L), max(1, L // 2 + 1), max(1, L - 2)})
 
 
 LAYOUTS = ("verispec", "eagle3")
 
 
-class EagleHead(nn.Module):
+class EagleHead(PackedLinears, nn.Module):
     """The trainable head. `config` is the head's config.json (see heads/__init__.py)."""
 
     def __init__(self, config: dict):
@@ -111,7 +83,6 @@ class EagleHead(nn.Module):
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.embed: torch.Tensor | None = None  # the target's embedding table (frozen, not saved)
-        self._packed: dict[str, torch.Tensor] | None = None  # inference copies of the weights (pack_for_inference)
 
     @staticmethod
     def make_config(target, draft_vocab_size: int, feature_layers: list[int] | None = None,
@@ -131,30 +102,6 @@ class EagleHead(nn.Module):
 
     def attach_embedding(self, weight: torch.Tensor) -> None:
         self.embed = weight.detach()
-
-    def pack_for_inference(self, dtype: torch.dtype) -> None:
-        """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (fast/packed.py).
-        The float32 weights read by F.linear made drafting ~60% of an EAGLE step's drafting time on this
-        CPU (a draft forward reads 25 MB at ~8 GB/s). The trained parameters are untouched (training and
-        saving never see the copies); activations stay float32 between the linears."""
-        from verispec.fast.packed import linear_for
-
-        device = self.fc.weight.device
-        pack, lin = linear_for(dtype, device)
-        if lin is F.linear and dtype == self.fc.weight.dtype:
-            self._packed = None
-            return
-        self._packed = {name: pack(m.weight.detach().to(dtype)) for name, m in self.named_children()
-                        if isinstance(m, nn.Linear)}
-        self._packed_linear, self._packed_dtype = lin, dtype
-
-    def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """The linear layer `name` applied to x (the packed copy when there is one)."""
-        if self._packed is None:
-            return getattr(self, name)(x)
-        flat = x.reshape(-1, x.shape[-1]).to(self._packed_dtype)
-        out = self._packed_linear(flat, self._packed[name])
-        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
     # the pieces shared by inference (drafter below) and training (train/loops.py)
     def project(self, features: torch.Tensor) -> torch.Tensor:
@@ -177,7 +124,7 @@ class EagleHead(nn.Module):
         q = self.lin("q", h).view(*shape, self.n_heads, self.head_dim).transpose(-3, -2)
         k = self.lin("k", h).view(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
         v = self.lin("v", h).view(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
-        return _rotate(q, pos, self.inv_freq), _rotate(k, pos, self.inv_freq), v
+        return rotate(q, pos, self.inv_freq), rotate(k, pos, self.inv_freq), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [..., T, W] (the layer input), attn [..., nh, T, hd] -> the layer output h [..., T, H]."""
@@ -193,103 +140,7 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(target, head: str | Path | None = None, device=None) -> EagleHead:
     """The EAGLE head at `head` (default: the one shipped for the target), checked against the target."""
-    from verispec.heads import read_head, resolve_head
-
-    path = resolve_head(target, "eagle", head)
-    config, tensors = read_head(path, "eagle", target)
-    module = EagleHead(config)
-    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
-                                                 strict=False)
-    if missing or unexpected:
-        raise HeadMismatch(f"the eagle head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
-    module.attach_embedding(target.model.get_input_embeddings().weight)
-    return module.to(device or target.device).eval()
-
-
-class HeadDrafting(Drafter):
-    """What the EAGLE and Medusa drafters share: the draft vocabulary map and choosing children."""
-
-    can_tree = True
-    vocab: int
-    d2t: torch.Tensor
-    params: SamplingParams
-    generator: torch.Generator | None
-
-    def full_logits(self, lg: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf elsewhere)."""
-        out = lg.new_full((*lg.shape[:-1], self.vocab), float("-inf"))
-        out[..., self.d2t] = lg
-        return out
-
-    def q_of(self, lg: torch.Tensor) -> torch.Tensor:
-        """The draft distribution over the target vocabulary, after the target's sampling transform."""
-        return logits_to_probs(self.full_logits(lg.float()), self.params)
-
-    def choose(self, lg: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One chain token: argmax when greedy (no q needed), else a draw from q (and q)."""
-        if self.params.greedy:
-            return int(self.d2t[int(lg.argmax())]), None
-        q = self.q_of(lg)
-        return sample(q, self.generator), q
-
-    def children(self, lg: torch.Tensor, parent: int, parent_score: float, depth: int, m: int,
-                 sampled: bool) -> list[Candidate]:
-        """Up to m children of a node whose draft logits are lg [Vd]: sampled without replacement from q
-        (row i = q with the earlier siblings removed; exact for static shapes), or the top-m tokens as
-        point masses ranked by draft probability (exact under any deterministic choice)."""
-        if sampled:
-            q = self.q_of(lg)
-            left, out = q.clone(), []
-            for _ in range(m):
-                total = left.sum()
-                if total <= 0:
-                    break
-                qi = left / total
-                x = sample(qi, self.generator)
-                out.append(Candidate(x, parent, parent_score * float(q[x]), qi, depth))
-                left[x] = 0
-            return out
-        return self.top_children(lg[None], [parent], [parent_score], depth, m)[0]
-
-    def top_children(self, lg: torch.Tensor, parents: list[int], scores: list[float], depth: int,
-                     m: int) -> list[list[Candidate]]:
-        """The top-m children of several nodes at once (lg [n, Vd]): one softmax, one top-k and one copy
-        to the host for a whole tree level, not one per node (each costs a dispatch and a sync)."""
-        probs = lg.float().softmax(-1)
-        vals, idx = probs.topk(min(m, probs.shape[-1]), dim=-1)
-        toks, vals = self.d2t[idx].tolist(), vals.tolist()
-        return [[Candidate(t, parent, score * v, None, depth) for v, t in zip(vr, tr) if v > 0]
-                for parent, score, vr, tr in zip(parents, scores, vals, toks)]
-
-
-class FeatureQueue:
-    """Target features handed over by the engine (observe_features) and not yet turned into the drafter's
-    cache entries; the EAGLE and block drafters share it."""
-
-    device: torch.device
-    params: SamplingParams
-    generator: torch.Generator | None
-
-    def clear_features(self) -> None:
-        self.features: list[torch.Tensor] = []  # not yet turned into entries
-        self.n_features = 0                     # received so far (positions 0..n_features-1)
-
-    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
-        self.reset()
-        self.params, self.generator = params, generator
-
-    def observe_features(self, features: torch.Tensor) -> None:
-        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
-        self.features.append(features.to(self.device))
-        self.n_features += int(features.shape[0])
-
-    def take_features(self) -> torch.Tensor | None:
-        """The queued features as one [m, F] tensor (the queue empties), or None when there are none."""
-        if not self.features:
-            return None
-        feats = torch.cat(self.features, dim=0)
-        self.features = []
-        return feats
+    return load_module(target, "eagle", EagleHead, head, device)
 
 
 class EagleDrafter(FeatureQueue, HeadDrafting):
@@ -405,68 +256,18 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
         if root is None:
             return None
         self.scratch = self.n
-        cands: list[Candidate] = []
-        src: list[torch.Tensor] = []   # src[c]: the head output c's logits came from
-        slot: dict[int, int] = {}      # scratch slot of an expanded candidate
-        out: dict[int, torch.Tensor] = {}  # head output of an expanded candidate
-
-        def add(new: list[Candidate], h: torch.Tensor) -> list[int]:
-            idx = list(range(len(cands), len(cands) + len(new)))
-            cands.extend(new)
-            src.extend([h] * len(new))
-            return idx
-
-        def expand(nodes: list[int], depth: int) -> None:
-            anc = []
-            for c in nodes:
-                a, p = [], cands[c].parent
-                while p >= 0:
-                    a.append(slot[p])
-                    p = cands[p].parent
-                anc.append(a)
-            first = self.scratch
-            h = self._expand([cands[c].token for c in nodes], torch.stack([src[c] for c in nodes]), depth, anc)
-            for r, c in enumerate(nodes):
-                slot[c], out[c] = first + r, h[r]
-
-        if isinstance(shape, StaticTree):
-            need = shape.children_ranks()
-            sampled = not self.params.greedy
-            where: dict[tuple, int] = {(): -1}
-            level = [()]
-            for depth in range(1, shape.depth + 1):
-                new_paths = []
-                for path in level:
-                    if need.get(path, 0) == 0:
-                        continue
-                    parent = where[path]
-                    h = root if parent < 0 else out[parent]
-                    score = cands[parent].score if parent >= 0 else 1.0
-                    kids = self.children(self.head.logits(h), parent, score, depth, need[path], sampled)
-                    for r, c in enumerate(add(kids, h)):
-                        where[path + (r,)] = c
-                        new_paths.append(path + (r,))
-                grow = [where[p] for p in new_paths if need.get(p, 0) > 0]
-                if grow:
-                    expand(grow, depth)
-                level = new_paths
-            keep = sorted(where[p] for p in shape.paths if p in where)
-        elif isinstance(shape, DynamicTree):
-            frontier = add(self.children(self.head.logits(root), -1, 1.0, 1, shape.topk, False), root)
-            budget = shape.budget or 16
-            for depth in range(2, shape.depth + 1):
-                grow = sorted(frontier, key=lambda c: -cands[c].score)[: shape.topk]
-                if not grow:
-                    break
-                if self.prune and len(cands) >= budget and cands[grow[0]].score < sorted((c.score for c in cands), reverse=True)[budget - 1]:
-                    break  # a child scores at most its parent: nothing deeper can enter the `budget` best
-                expand(grow, depth - 1)
-                hs = torch.stack([out[c] for c in grow])
-                kids = self.top_children(self.head.logits(hs), grow, [cands[c].score for c in grow], depth, shape.topk)
-                frontier = []
-                for r, c in enumerate(grow):
-                    frontier += add(kids[r], out[c])
-            keep = select_best(cands, budget)
-        else:
-            raise TypeError(f"unknown tree shape {shape!r}")
+        self._out: dict[int, torch.Tensor] = {-1: root}  # head output of each fed node (-1: the pending root)
+        self._slot: dict[int, int] = {}                    # its scratch slot
+        cands, keep = build_tree(self, shape, not self.params.greedy, self.generator, prune=self.prune)
         return to_proposal(cands, keep, vocab=self.vocab) if keep else None
+
+    def feed(self, cands: list[Candidate], nodes: list[int]) -> None:
+        """Scratch entries for tree nodes of one depth, from their parents' head outputs."""
+        first = self.scratch
+        h = self._expand([cands[c].token for c in nodes], torch.stack([self._out[cands[c].parent] for c in nodes]),
+                         cands[nodes[0]].depth, [[self._slot[a] for a in ancestors(cands, c)] for c in nodes])
+        for r, c in enumerate(nodes):
+            self._slot[c], self._out[c] = first + r, h[r]
+
+    def child_logits(self, cands: list[Candidate], nodes: list[int]) -> torch.Tensor:
+        return self.head.logits(torch.stack([self._out[c] for c in nodes]))

@@ -8,23 +8,24 @@ stores which target ids its rows are) to give the distribution of x_{t+1+k}. A p
 engine's features (Engine: drafter.observe_features); it needs no cache of its own.
 
 Trees: the node at path (r_1, ..., r_d) of a static tree (tree.StaticTree, Medusa's format) is the
-r_d-th best token of head d, for every parent alike (the heads do not see the drafted prefix); when
-sampling, each node's children are drawn without replacement from q_d. Dynamic trees rank the same
-candidates by the product of their heads' probabilities (point masses). A chain is head 1..k's
+r_d-th best token of head d, for every parent alike (the heads do not see the drafted prefix): the
+drafter is a tree.build Scorer whose children at depth d are head d's, whatever the parent (sampled
+static trees draw them without replacement from q_d; dynamic trees rank them by the product of their
+heads' probabilities). A chain is head 1..k's
 argmax (greedy) or draws from q_1..q_k with q going with the proposal (speculative sampling).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.eagle import HeadDrafting
-from verispec.errors import HeadMismatch
-from verispec.tree import Candidate, DynamicTree, StaticTree, select_best, to_proposal
+from verispec.drafters.head_parts import HeadDrafting, load_module
+from verispec.tree import Candidate, DynamicTree, StaticTree, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
@@ -63,16 +64,7 @@ class MedusaHeads(nn.Module):
 
 
 def load_medusa_heads(target, head: str | Path | None = None, device=None) -> MedusaHeads:
-    from verispec.heads import read_head, resolve_head
-
-    path = resolve_head(target, "medusa", head)
-    config, tensors = read_head(path, "medusa", target)
-    module = MedusaHeads(config)
-    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
-                                                 strict=False)
-    if missing or unexpected:
-        raise HeadMismatch(f"the medusa head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
-    return module.to(device or target.device).eval()
+    return load_module(target, "medusa", MedusaHeads, head, device, embed=False)
 
 
 class PositionDrafting(HeadDrafting):
@@ -103,53 +95,20 @@ class PositionDrafting(HeadDrafting):
         if lg is None:
             return None
         K = lg.shape[0]
-        cands: list[Candidate] = []
-        if isinstance(shape, StaticTree):
-            if shape.depth > K:
-                shape = shape.truncated(K)
-            need = shape.children_ranks()
-            sampled = not self.params.greedy
-            where: dict[tuple, int] = {(): -1}
-            level = [()]
-            top: dict[int, list[Candidate]] = {}
-            for depth in range(1, shape.depth + 1):
-                new_paths = []
-                for path in level:
-                    m = need.get(path, 0)
-                    if m == 0:
-                        continue
-                    parent = where[path]
-                    score = cands[parent].score if parent >= 0 else 1.0
-                    if sampled:
-                        kids = self.children(lg[depth - 1], parent, score, depth, m, True)
-                    else:  # the same ranked tokens under every parent: compute head d's top list once
-                        if depth not in top:
-                            top[depth] = self.children(lg[depth - 1], -1, 1.0, depth, max(need[p] for p in level if p in need), False)
-                        kids = [Candidate(c.token, parent, score * c.score, None, depth) for c in top[depth][:m]]
-                    for r, kid in enumerate(kids):
-                        where[path + (r,)] = len(cands)
-                        cands.append(kid)
-                        new_paths.append(path + (r,))
-                level = new_paths
-            keep = sorted(where[p] for p in shape.paths if p in where)
-        elif isinstance(shape, DynamicTree):
-            depth_max = min(shape.depth, K)
-            ranked = [self.children(lg[d], -1, 1.0, d + 1, shape.topk, False) for d in range(depth_max)]
-            frontier = []
-            for c in ranked[0]:
-                frontier.append(len(cands))
-                cands.append(c)
-            for d in range(1, depth_max):
-                grow = sorted(frontier, key=lambda c: -cands[c].score)[: shape.topk]
-                frontier = []
-                for p in grow:
-                    for c in ranked[d]:
-                        frontier.append(len(cands))
-                        cands.append(Candidate(c.token, p, cands[p].score * c.score, None, d + 1))
-            keep = select_best(cands, shape.budget or 16)
-        else:
-            raise TypeError(f"unknown tree shape {shape!r}")
+        if isinstance(shape, StaticTree) and shape.depth > K:
+            shape = shape.truncated(K)
+        elif isinstance(shape, DynamicTree) and shape.depth > K:
+            shape = replace(shape, depth=K)
+        self._block = lg
+        cands, keep = build_tree(self, shape, not self.params.greedy, self.generator)
         return to_proposal(cands, keep, vocab=self.vocab) if keep else None
+
+    def feed(self, cands: list[Candidate], nodes: list[int]) -> None:
+        pass  # a position's distribution does not depend on the drafted prefix
+
+    def child_logits(self, cands: list[Candidate], nodes: list[int]) -> torch.Tensor:
+        depth = cands[nodes[0]].depth if nodes[0] >= 0 else 0
+        return self._block[depth].expand(len(nodes), -1)
 
 
 class MedusaDrafter(PositionDrafting):

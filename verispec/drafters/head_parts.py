@@ -1,0 +1,153 @@
+"""The parts the drafters on the target's hidden features share (the EAGLE head, the Medusa heads, the
+block drafter): their layers, which target layers they read, the queue of features the engine hands
+over, packed weight copies, loading, and the draft-vocabulary side of choosing tokens (a chain's, and
+tree children's for the tree builder, tree.build).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.drafters.base import Drafter
+from verispec.errors import HeadMismatch
+from verispec.sampling import logits_to_probs, sample
+from verispec.types import SamplingParams
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x [..., heads, T, hd], pos [..., T] -> same shape."""
+    freqs = pos.float()[..., None] * inv_freq  # [..., T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def default_feature_layers(num_hidden_layers: int) -> list[int]:
+    """Hidden-state indices (transformers' numbering: i = output of decoder layer i - 1) of a low, a
+    middle and a high layer, the choice of EAGLE-3's reference code (layers 2, L/2, L-3)."""
+    L = num_hidden_layers
+    return sorted({min(3, L), max(1, L // 2 + 1), max(1, L - 2)})
+
+
+class PackedLinears:
+    """A module whose linear layers (self.fc among them) can run from packed weight copies."""
+
+    _packed: dict[str, torch.Tensor] | None = None  # inference copies of the weights (pack_for_inference)
+
+    def pack_for_inference(self, dtype: torch.dtype) -> None:
+        """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (fast/packed.py).
+        The float32 weights read by F.linear made drafting ~60% of an EAGLE step's drafting time on this
+        CPU (a draft forward reads 25 MB at ~8 GB/s). The trained parameters are untouched (training and
+        saving never see the copies); activations stay float32 between the linears."""
+        from verispec.fast.packed import linear_for
+
+        pack, lin = linear_for(dtype, self.fc.weight.device)
+        if lin is F.linear and dtype == self.fc.weight.dtype:
+            self._packed = None
+            return
+        self._packed = {name: pack(m.weight.detach().to(dtype)) for name, m in self.named_modules()
+                        if isinstance(m, nn.Linear)}
+        self._packed_linear, self._packed_dtype = lin, dtype
+
+    def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The linear layer `name` (a submodule path) applied to x (the packed copy when there is one)."""
+        if self._packed is None:
+            return self.get_submodule(name)(x)
+        flat = x.reshape(-1, x.shape[-1]).to(self._packed_dtype)
+        out = self._packed_linear(flat, self._packed[name])
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def load_module(target, kind: str, cls, head: str | Path | None = None, device=None, embed: bool = True):
+    """The `kind` module at `head` (default: the one shipped for the target), checked against the target,
+    in float32, with the target's embedding table attached when `embed` (EAGLE head, block drafter)."""
+    from verispec.heads import read_head, resolve_head
+
+    path = resolve_head(target, kind, head)
+    config, tensors = read_head(path, kind, target)
+    module = cls(config)
+    missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
+                                                 strict=False)
+    if missing or unexpected:
+        raise HeadMismatch(f"the {kind} head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
+    if embed:
+        module.attach_embedding(target.model.get_input_embeddings().weight)
+    return module.to(device or target.device).eval()
+
+
+class HeadDrafting(Drafter):
+    """What the EAGLE, Medusa and block drafters share: the draft vocabulary map, choosing a chain token,
+    and scoring tree children (tree.build.Scorer)."""
+
+    can_tree = True
+    vocab: int
+    d2t: torch.Tensor
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    def full_logits(self, lg: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf elsewhere)."""
+        out = lg.new_full((*lg.shape[:-1], self.vocab), float("-inf"))
+        out[..., self.d2t] = lg
+        return out
+
+    def q_of(self, lg: torch.Tensor) -> torch.Tensor:
+        """The draft distribution over the target vocabulary, after the target's sampling transform."""
+        return logits_to_probs(self.full_logits(lg.float()), self.params)
+
+    def choose(self, lg: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One chain token: argmax when greedy (no q needed), else a draw from q (and q)."""
+        if self.params.greedy:
+            return int(self.d2t[int(lg.argmax())]), None
+        q = self.q_of(lg)
+        return sample(q, self.generator), q
+
+    def ranking(self, lg: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, Vd] -> the probabilities that rank point-mass tree children (a Scorer's)."""
+        return lg.float().softmax(-1)
+
+
+class FeatureQueue:
+    """Target features handed over by the engine (observe_features) and not yet turned into the drafter's
+    cache entries; the EAGLE and block drafters share it."""
+
+    device: torch.device
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    def clear_features(self) -> None:
+        self.features: list[torch.Tensor] = []  # not yet turned into entries
+        self.n_features = 0                     # received so far (positions 0..n_features-1)
+
+    def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.reset()
+        self.params, self.generator = params, generator
+
+    def observe_features(self, features: torch.Tensor) -> None:
+        """Target features [m, F] of the next m committed positions (prefill, then each accepted path)."""
+        self.features.append(features.to(self.device))
+        self.n_features += int(features.shape[0])
+
+    def take_features(self) -> torch.Tensor | None:
+        """The queued features as one [m, F] tensor (the queue empties), or None when there are none."""
+        if not self.features:
+            return None
+        feats = torch.cat(self.features, dim=0)
+        self.features = []
+        return feats
