@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 
-from verispec.cli import app, friendly
+from verispec.commands import friendly
 
 train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa, DFlash-style block drafter) for a target model.")
-app.add_typer(train_app, name="train")
 
 
 def _run(kind: str, **options) -> None:
