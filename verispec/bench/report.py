@@ -7,6 +7,8 @@ Plots are drawn with matplotlib's Agg backend (no display needed). One result or
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from verispec.errors import InvalidParameter
@@ -41,10 +43,19 @@ def load_result(path: str | Path) -> dict:
     return data
 
 
+def command_line() -> str:
+    """This process's command line as one would type it again: `verispec ...` or `python script ...`."""
+    head = sys.argv[0]
+    words = ["verispec"] if Path(head).name in ("verispec", "__main__.py") else ["python", head]
+    return shlex.join(words + sys.argv[1:])
+
+
 def write_json(data: dict, path: str | Path) -> Path:
+    """Write a result; it carries the command line that produced it (figures live in results/ as JSON +
+    the command), unless it names its command itself."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps({"command": command_line(), **data}, indent=1) + "\n")
     return path
 
 
