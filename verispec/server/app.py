@@ -50,8 +50,8 @@ class ServerConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)  # more build_engine defaults
     default_max_tokens: int = 256
     max_tokens: int = 2048
-    # a prompt's prefill holds a worker (2,000 tokens of SmolLM2-135M: seconds on a 2-core CPU), so the
-    # default stays well under the context; None: the model's context length - 1
+    # a prompt's prefill holds a worker for seconds on a CPU (docs/performance-notes.md), so the default
+    # stays well under the context; None: the model's context length - 1
     max_prompt_tokens: int | None = 2048
     max_body_bytes: int = 1 << 20
     max_queue: int = 16
