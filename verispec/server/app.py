@@ -11,7 +11,7 @@ overridden per request by the extension object "verispec" in the body; statistic
 "verispec" field of every response and stream chunk (OpenAI clients ignore unknown fields).
 
 Modules: state.py (what the handlers share, as app.state.served), generate.py and info.py (the
-handlers, as APIRouters), responses.py (response shapes, streaming), guard.py (the middleware below).
+handlers, as APIRouters), guard.py (the middleware below).
 
 Hardening (what a hostile or careless client cannot do): the Host header must name an allowed host
 (DNS rebinding cannot reach a loopback server from a web page); with an API key, /v1 and /metrics

@@ -131,6 +131,6 @@ def install(app: FastAPI) -> None:
         return verispec_error(exc).response()
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):  # the app's _Guard normally answers these first
+    async def _internal(request: Request, exc: Exception):  # guard.Guard normally answers these first
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return internal_error().response()

@@ -1,23 +1,125 @@
 """The generating endpoints: POST /v1/chat/completions and /v1/completions (OpenAI's shapes, stream: true ->
-server-sent events) and the extension POST /v1/verispec/race (several methods on the same prompt)."""
+server-sent events) and the extension POST /v1/verispec/race (several methods on the same prompt), with
+their response shapes and `respond`, which waits for a job and answers with one body or a stream."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import AsyncIterator
+from functools import partial
+from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verispec.server.errors import APIError
-from verispec.server.responses import respond, spec_stats, sse, step_ext, usage
 from verispec.server.scheduler import Job
 from verispec.server.schemas import ChatCompletionRequest, CompletionRequest, RaceRequest, SpeculationOptions
 from verispec.server.state import ClientGone, Served, served
 from verispec.server.work import run_race
 
 router = APIRouter()
+
+
+def _body(cid: str, created: int, model: str, obj: str, content: dict, finish, gen, ext, fingerprint=False) -> dict:
+    """A response or stream chunk in OpenAI's shape: one choice, then usage and the "verispec" extension
+    where given."""
+    out = {"id": cid, "object": obj, "created": created, "model": model}
+    if fingerprint:
+        out["system_fingerprint"] = None
+    out["choices"] = [{"index": 0, **content, "logprobs": None, "finish_reason": finish}]
+    if gen is not None:
+        out["usage"] = usage(gen)
+    if ext is not None:
+        out["verispec"] = ext
+    return out
+
+
+def usage(gen) -> dict:
+    p, c = len(gen.prompt_ids), len(gen.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def spec_stats(gen, job: Job | None = None) -> dict:
+    s = gen.stats
+    out = {"method": s.method, "drafted": s.drafted, "accepted": s.accepted,
+           "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
+           "steps": s.steps, "acceptance_by_position": [round(a, 4) for a in s.acceptance_by_position],
+           "time_to_first_token": None if s.first_token_time is None else round(s.first_token_time, 4),
+           "tokens_per_second": round(s.tokens_per_second, 2), "total_time": round(s.total_time, 4)}
+    if job is not None:
+        out["queue_time"] = round(job.queue_time, 4)
+    return out
+
+
+def step_ext(event, pieces) -> dict:
+    return {"step": event.step, "token_ids": event.token_ids, "kinds": event.kinds, "pieces": pieces}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def respond(s: Served, request: Request, job: Job, stream: bool, include_usage: bool,
+                  chunk: Callable[..., dict], final: Callable[..., dict], opening: dict | None = None) -> Response:
+    """Wait for the job and answer: a JSON body from final(gen, job), or server-sent events: opening,
+    then chunk(text, ext, finish, gen) per step and at the end."""
+    try:
+        if not stream:
+            while True:
+                kind, payload = await s.next_item(job, request)
+                if kind == "done":
+                    return JSONResponse(final(payload, job))
+                if kind == "error":
+                    raise payload
+                if kind == "cancelled":
+                    raise s.cancelled_error(job, payload)
+        # wait for the first step before answering, so errors before it still get a real status
+        kind, payload = await s.next_item(job, request)
+    except ClientGone:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    if kind == "error":
+        raise payload
+    if kind == "cancelled":
+        err = s.cancelled_error(job, payload)
+        if isinstance(err, ClientGone):
+            return Response(status_code=499)
+        raise err
+
+    async def events(first) -> AsyncIterator[str]:
+        finished = False
+        try:
+            if opening is not None:
+                yield sse(opening)
+            item = first
+            while True:
+                kind, payload = item
+                if kind == "step":
+                    event, pieces = payload
+                    yield sse(chunk(event.text, step_ext(event, pieces), None, None))
+                elif kind == "done":
+                    yield sse(chunk(None, {"stats": spec_stats(payload, job)}, payload.finish_reason, payload))
+                    if include_usage:
+                        last = chunk(None, None, None, payload)
+                        last["choices"] = []
+                        yield sse(last)
+                    break
+                else:
+                    err = s.cancelled_error(job, payload) if kind == "cancelled" else \
+                        APIError(500, "internal server error; the server log has the details", type="server_error")
+                    if isinstance(err, APIError):
+                        yield sse(err.body())
+                    break
+                item = await job.items.get()
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:  # the response was cancelled: the client went away mid-stream
+                job.cancel("disconnect")
+
+    return StreamingResponse(events((kind, payload)), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 @router.post("/v1/chat/completions")
@@ -29,24 +131,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, s: Ser
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     ids = await s.encode("messages", chat=messages)
     job = s.submit(s.generation_work(options, ids, params), body.verispec)
-    cid, now, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), s.name
+
+    shape = partial(_body, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), s.name, fingerprint=True)
 
     def chunk(text, ext, finish, gen, role=False):
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        out = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": name,
-               "system_fingerprint": None,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if gen is not None:
-            out["usage"] = usage(gen)
-        if ext is not None:
-            out["verispec"] = ext
-        return out
+        return shape("chat.completion.chunk", {"delta": delta}, finish, gen, ext)
 
     def final(gen, job):
-        return {"id": cid, "object": "chat.completion", "created": now, "model": name, "system_fingerprint": None,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                             "logprobs": None, "finish_reason": gen.finish_reason}],
-                "usage": usage(gen), "verispec": spec_stats(gen, job)}
+        message = {"role": "assistant", "content": gen.text}
+        return shape("chat.completion", {"message": message}, gen.finish_reason, gen, spec_stats(gen, job))
 
     include = bool(body.stream_options and body.stream_options.include_usage)
     return await respond(s, request, job, body.stream, include, chunk, final,
@@ -70,21 +164,14 @@ async def completions(body: CompletionRequest, request: Request, s: Served = Dep
     else:
         ids = await s.encode("prompt", prompt=prompt)
     job = s.submit(s.generation_work(options, ids, params), body.verispec)
-    cid, now, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), s.name
+
+    shape = partial(_body, f"cmpl-{uuid.uuid4().hex}", int(time.time()), s.name, "text_completion")
 
     def chunk(text, ext, finish, gen):
-        out = {"id": cid, "object": "text_completion", "created": now, "model": name,
-               "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
-        if gen is not None:
-            out["usage"] = usage(gen)
-        if ext is not None:
-            out["verispec"] = ext
-        return out
+        return shape({"text": text or ""}, finish, gen, ext)
 
     def final(gen, job):
-        return {"id": cid, "object": "text_completion", "created": now, "model": name,
-                "choices": [{"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}],
-                "usage": usage(gen), "verispec": spec_stats(gen, job)}
+        return shape({"text": gen.text}, gen.finish_reason, gen, spec_stats(gen, job))
 
     include = bool(body.stream_options and body.stream_options.include_usage)
     return await respond(s, request, job, body.stream, include, chunk, final)
