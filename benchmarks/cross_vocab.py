@@ -28,7 +28,7 @@ def main() -> None:
     a = parse(ap)
     from verispec.api import build_engine
     from verispec.bench import prompts as pr
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.models import load_model
     from verispec.theory import speedup
     from verispec.types import SamplingParams

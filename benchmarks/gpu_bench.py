@@ -62,7 +62,8 @@ def main() -> int:
 
     from verispec.bench import prompts as pr
     from verispec.bench import roofline as rl
-    from verispec.bench.harness import environment, run_bench
+    from verispec.bench.environment import environment
+    from verispec.bench.harness import run_bench
     from verispec.bench.report import compare, plot_roofline, write_bench, write_json
     from verispec.errors import VerispecError
     from verispec.models import load_model

@@ -46,7 +46,7 @@ def main() -> None:
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
     from verispec.fast import FastRunner
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.models import load_model
     from verispec.tree import DynamicTree, StaticTree
     from verispec.types import SamplingParams

@@ -28,7 +28,7 @@ def main() -> None:
     a = parse(ap)
     from verispec.drafters.eagle import load_eagle_head
     from verispec.drafters.medusa import load_medusa_heads
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.models import load_model
     from verispec.train.data import read_jsonl, split_heldout
     from verispec.train.evaluate import eval_sets, evaluate_head

@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = parse(ap)
 
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.bench.roofline import copy_bandwidth
     from verispec.fast import FastRunner, native
     from verispec.models import load_model

@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = parse(ap)
 
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.fast import FastRunner
     from verispec.models import load_model
 

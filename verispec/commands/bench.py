@@ -62,7 +62,7 @@ def roofline(
     bar.close()
     import torch
 
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
 
     result["environment"] = environment(target)
     result["environment"]["torch_threads"] = torch.get_num_threads()
