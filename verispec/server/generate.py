@@ -124,10 +124,7 @@ async def respond(s: Served, request: Request, job: Job, stream: bool, include_u
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, s: Served = Depends(served)):
-    s.check_model(body.model)
-    s.check_supported(body)
-    params = s.sampling(body.temperature, body.top_p, body.top_k, body.seed, body.limit(), body.stop)
-    options = s.engine_options(body.verispec)
+    params, options = s.settings(body)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     ids = await s.encode("messages", chat=messages)
     job = s.submit(s.generation_work(options, ids, params), body.verispec)
@@ -149,10 +146,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, s: Ser
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, s: Served = Depends(served)):
-    s.check_model(body.model)
-    s.check_supported(body)
-    params = s.sampling(body.temperature, body.top_p, body.top_k, body.seed, body.limit(), body.stop)
-    options = s.engine_options(body.verispec)
+    params, options = s.settings(body)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:

@@ -78,10 +78,14 @@ class Served:
             raise APIError(404, f"the model '{model}' is not served here; use '{self.name}' (GET /v1/models lists it)",
                            param="model", code="model_not_found")
 
-    @staticmethod
-    def check_supported(body) -> None:
+    def settings(self, body) -> tuple[SamplingParams, dict]:
+        """An OpenAI request's (sampling parameters, engine options), checked in this order: the model, the
+        parameters this server refuses, the sampling parameters, the speculation options."""
+        self.check_model(body.model)
         for param, reason in body.unsupported():
             raise APIError(400, reason, param=param, code="unsupported_parameter")
+        params = self.sampling(body.temperature, body.top_p, body.top_k, body.seed, body.limit(), body.stop)
+        return params, self.engine_options(body.verispec)
 
     def sampling(self, temperature, top_p, top_k, seed, max_tokens, stop) -> SamplingParams:
         config = self.config
