@@ -127,7 +127,7 @@ def main() -> None:
     for w in workers.values():
         w.close()
     if args.json:
-        from verispec.bench.harness import environment
+        from verispec.bench.environment import environment
 
         out = {"command": " ".join(["python", "benchmarks/" + Path(sys.argv[0]).name] + sys.argv[1:]), "environment": environment(),
                "model": args.model, "dtype": args.dtype, "threads": args.threads, "max_new_tokens": args.max_new_tokens,

@@ -9,7 +9,6 @@ with plain decoding's. Usage:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -20,6 +19,7 @@ import torch
 from verispec.api import build_engine
 from verispec.models import load_model
 from verispec.types import SamplingParams
+from _common import options, write_json
 
 DATA = Path(__file__).resolve().parents[1] / "verispec" / "data" / "spec_bench" / "question.jsonl"
 FALLBACK = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -57,8 +57,7 @@ def hf_generate(target, ids, n):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bfloat16")
+    ap = options(__doc__, dtype="bfloat16")
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--draft-length", type=int, default=6)
@@ -110,8 +109,7 @@ def main() -> None:
     print(f"greedy outputs: ngram == plain on {len(rows) - len(mismatches)}/{len(rows)}; plain == hf on "
           f"{sum(r['ar_equals_hf'] for r in rows)}/{len(rows)}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        write_json({"rows": rows}, args.out)
 
 
 if __name__ == "__main__":

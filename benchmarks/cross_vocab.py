@@ -13,31 +13,22 @@ Contenders run one after the other per question (the machine is shared; the rati
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
 import sys
-import time
 
-import torch
+from _common import options, parse, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="gemma3-270m")
+    ap = options(__doc__, model="gemma3-270m", dtype="bfloat16", threads=None, json=None)
     ap.add_argument("--draft", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5])
     ap.add_argument("--per-task", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse(ap)
     from verispec.api import build_engine
     from verispec.bench import prompts as pr
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.models import load_model
     from verispec.theory import speedup
     from verispec.types import SamplingParams
@@ -79,8 +70,7 @@ def main() -> None:
         print(q.category, "done", file=sys.stderr, flush=True)
     per_token = {n: s["time"] / max(1, s["tokens"]) for n, s in sums.items()}
     c = per_token["draft_alone"] / per_token["ar"]
-    out = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-           "environment": environment(target),
+    out = {"environment": environment(target),
            "what": "target gemma3-270m, draft smollm2-135m (another tokenizer): string-level exact match; decode "
                    "time excludes the prefill",
            "questions": len(questions), "max_new_tokens": a.max_new_tokens,
@@ -98,11 +88,9 @@ def main() -> None:
             "draft_time_share": round(s["draft_time"] / s["time"], 3) if s["time"] else None,
             "theory_speedup_at_measured_alpha_c": round(speedup(min(alpha, 0.999), k, c), 3)}
     out["runs"] = rows
-    text = json.dumps(out, indent=1)
     print(json.dumps({k: v for k, v in out.items() if k not in ("runs", "environment")}, indent=1))
     if a.json:
-        with open(a.json, "w") as f:
-            f.write(text + "\n")
+        write_json(out, a.json)
 
 
 if __name__ == "__main__":

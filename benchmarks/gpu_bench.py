@@ -20,7 +20,6 @@ weight values) and the bench is skipped; the results say so.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -63,7 +62,8 @@ def main() -> int:
 
     from verispec.bench import prompts as pr
     from verispec.bench import roofline as rl
-    from verispec.bench.harness import environment, run_bench
+    from verispec.bench.environment import environment
+    from verispec.bench.harness import run_bench
     from verispec.bench.report import compare, plot_roofline, write_bench, write_json
     from verispec.errors import VerispecError
     from verispec.models import load_model
@@ -140,7 +140,7 @@ def main() -> int:
         text, _ = compare(jsons, out)
         print(text)
     notes["elapsed_s"] = round(elapsed(), 1)
-    (out / "run_notes.json").write_text(json.dumps(notes, indent=1) + "\n")
+    write_json(notes, out / "run_notes.json")
     print(f"done in {elapsed():.0f} s; results in {out}")
     return 1 if notes.get("verispec_mismatches") else 0
 

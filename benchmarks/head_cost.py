@@ -17,12 +17,11 @@ Every figure is the median over --rounds rounds that measure every item once (th
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
+from _common import options, parse, write_json
 
 
 def _ms(fn, repeat: int) -> float:
@@ -36,24 +35,18 @@ def _ms(fn, repeat: int) -> float:
 
 @torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap = options(__doc__, model="smollm2-135m", dtype="bfloat16", threads=None, json=None)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dflash-layers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dflash-blocks", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse(ap)
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
     from verispec.backends.fast import FastRunner
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.models import load_model
     from verispec.tree import DynamicTree, StaticTree
     from verispec.types import SamplingParams
@@ -140,15 +133,12 @@ def main() -> None:
     ms = {k: round(statistics.median(v), 3) for k, v in rounds.items()}
     base = ms["target_forward_1pos_exact"]
     ratios = {k: round(v / base, 3) for k, v in ms.items()}
-    out = {"command": "python benchmarks/head_cost.py " + " ".join(
-               f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(a).items() if v is not None),
-           "model": a.model, "dtype": a.dtype, "context": a.context, "ms": ms, "ratio_to_target_forward_exact": ratios,
+    out = {"model": a.model, "dtype": a.dtype, "context": a.context, "ms": ms, "ratio_to_target_forward_exact": ratios,
            "environment": environment(target)}
     for k in items:
         print(f"{k:32s} {ms[k]:8.2f} ms  {ratios[k]:6.3f}x target forward (exact)")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(out, a.json)
 
 
 if __name__ == "__main__":

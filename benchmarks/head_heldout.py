@@ -10,31 +10,25 @@ was trained in that folder, since another head may have trained on them).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-import torch
+from _common import options, parse, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = options(__doc__, dtype="bfloat16", threads=None, json=True)
     ap.add_argument("--kind", default="eagle", choices=["eagle", "medusa"])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--head", default=None, help="a head folder (default: the shipped head)")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--bench", type=int, default=4, help="Spec-Bench questions per task")
     ap.add_argument("--work", default=None, help="a training work folder whose held-out records to add")
     ap.add_argument("--per-source", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", required=True)
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse(ap)
     from verispec.drafters.eagle import load_eagle_head
     from verispec.drafters.medusa import load_medusa_heads
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.models import load_model
     from verispec.train.data import read_jsonl, split_heldout
     from verispec.train.evaluate import eval_sets, evaluate_head
@@ -44,11 +38,9 @@ def main() -> None:
     heldout = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))[1] if a.work else None
     sets = eval_sets(target, heldout, a.per_source, a.bench)
     fig = evaluate_head(target, a.kind, module, sets, max_new_tokens=a.tokens)
-    out = {"command": "python benchmarks/head_heldout.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None),
-           "head": a.head or "shipped", "trained_on": module.config.get("training", {}).get("sequences"), **fig,
+    out = {"head": a.head or "shipped", "trained_on": module.config.get("training", {}).get("sequences"), **fig,
            "environment": environment(target)}
-    Path(a.json).write_text(json.dumps(out, indent=1))
+    write_json(out, a.json)
     print(json.dumps(fig["overall"]))
 
 

@@ -12,13 +12,12 @@ mismatch between training and drafting); rising ones say more data pays. Every p
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
+from _common import options, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = options(__doc__, threads=None, json=True)
     ap.add_argument("--kind", default="eagle")
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--work", required=True, help="a work folder whose answers and features exist (or will be made)")
@@ -28,9 +27,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-prompts", type=int, default=4)
     ap.add_argument("--eval-bench", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", required=True)
-    a = ap.parse_args()
+    a = ap.parse_args()  # --threads goes to the training run, which sets it
     from verispec.train.pipeline import TrainConfig, run
 
     rows = []
@@ -43,9 +40,7 @@ def main() -> None:
         t = config["training"]
         rows.append({"max_positions": p, "positions": t["positions"], "sequences": t["sequences"], "steps": t["steps"],
                      "heldout": t["heldout"]["overall"], "tasks": t["heldout"]["tasks"]})
-        Path(a.json).write_text(json.dumps({"command": "python benchmarks/learning_curve.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(a).items()
-            if v is not None), "points": rows}, indent=1))
+        write_json({"points": rows}, a.json)
     _plot(rows, Path(a.json).with_suffix(".png"), a.kind)
 
 

@@ -19,6 +19,7 @@ import threading
 import time
 
 import httpx
+from _common import write_json
 
 PROMPTS = [
     "Write a Python function that reverses a list.",
@@ -155,8 +156,7 @@ def main() -> None:
         }
         print(json.dumps(report, indent=2))
         if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(report, f, indent=2)
+            write_json(report, args.json_out)
     finally:
         if proc is not None:
             proc.terminate()

@@ -8,29 +8,22 @@ measured at the start of the same round.
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import statistics
-import sys
 import time
 
 import torch
+from _common import options, parse, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap = options(__doc__, model="smollm2-135m", threads=1, json=None)
     ap.add_argument("--weights", nargs="+", default=["bf16", "q4"])
     ap.add_argument("--positions", nargs="+", type=int, default=[1, 8, 16])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(ap)
 
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
     from verispec.bench.roofline import copy_bandwidth
     from verispec.backends.fast import FastRunner
     from verispec.fast import native
@@ -76,9 +69,8 @@ def main() -> None:
         print(f"{fmt:5s} {'exact' if exact else 'not exact':9s} {'native' if use else 'python':6s} "
               + "  ".join(f"{n} pos {v:7.1f}" for n, v in ms.items()) + f"  | {n1} pos = {over:.2f}x the floor")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": shlex.join(["python", *sys.argv]), "environment": environment(), "rows": rows,
-                       "copy_bandwidth_rounds": bws, "native": native.status()}, fh, indent=1)
+        write_json({"environment": environment(), "rows": rows, "copy_bandwidth_rounds": bws,
+                    "native": native.status()}, args.json)
 
 
 if __name__ == "__main__":

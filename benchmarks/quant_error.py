@@ -7,18 +7,14 @@ per channel), and the dense bf16 copy for comparison; the LM head (Q8_0 in SmolL
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import sys
 
 import torch
+from _common import options, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--json", default=None)
+    ap = options(__doc__, model="smollm2-135m", json=None)
     args = ap.parse_args()
 
     from verispec.fast import quant
@@ -54,9 +50,7 @@ def main() -> None:
     for k, v in worst.items():
         print(f"{k:40s} {v:.6g}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"model": args.model, "max_abs_difference": worst, "torch": torch.__version__,
-                       "command": shlex.join(["python", *sys.argv])}, fh, indent=1)
+        write_json({"model": args.model, "max_abs_difference": worst, "torch": torch.__version__}, args.json)
 
 
 if __name__ == "__main__":

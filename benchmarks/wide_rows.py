@@ -10,14 +10,11 @@ which the dense forward is the faster is printed per format.
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import statistics
-import sys
 import time
 
 import torch
+from _common import options, parse, write_json
 
 
 def timed(fn, repeat: int) -> float:
@@ -31,20 +28,16 @@ def timed(fn, repeat: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap = options(__doc__, model="smollm2-135m", threads=1, json=None)
     ap.add_argument("--formats", nargs="+", default=["q4", "q8"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 6, 8, 12, 16, 32])
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(ap)
 
-    from verispec.bench.harness import environment
     from verispec.backends.fast import FastRunner
+    from verispec.bench.environment import environment
     from verispec.models import load_model
 
     target = load_model(args.model, dtype="bfloat16")
@@ -74,9 +67,8 @@ def main() -> None:
     crossover = {fmt: next((n for n in args.rows if table["bf16"][n] <= table[fmt][n]), None) for fmt in args.formats}
     print("dense copy faster from n =", crossover)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": shlex.join(["python", *sys.argv]), "environment": environment(), "ms": table,
-                       "crossover_rows": crossover, "rounds": args.rounds}, fh, indent=1)
+        write_json({"environment": environment(), "ms": table, "crossover_rows": crossover, "rounds": args.rounds},
+                   args.json)
 
 
 if __name__ == "__main__":

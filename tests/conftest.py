@@ -67,14 +67,11 @@ def loaded(model, name: str = "tiny", eos: int | None = None):
     return from_model(model, NumberTokenizer(vocab, eos), name=name)
 
 
-@pytest.fixture
-def one_thread(request):
-    """Tiny models and tables: one intra-op thread (a 2-thread barrier costs far more than these ops,
-    and ruinously so on a busy machine); real models keep the session's setting. A test file opts in
-    with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a test file, its module fixtures included: tiny models and tables are all
+    per-op overhead, and on a shared 2-core machine a 2-thread OpenMP barrier stalls whenever the other
+    core is busy. A test file opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -87,3 +84,67 @@ def smollm2():
     from verispec.models import load_model
 
     return load_model("smollm2-135m", dtype="float32")
+
+
+def fast_greedy_equals_plain(target, prompts, max_new_tokens: int, method: str, check=None, **options) -> int:
+    """The real-model exactness check: for each prompt, `method` on the fast path (exact mode, and
+    check(engine) where given) gives plain decoding's greedy tokens; returns the tokens accepted from
+    drafts over all prompts."""
+    from verispec.api import build_engine
+    from verispec.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    accepted = 0
+    for text in prompts:
+        ids = target.encode(prompt=text)
+        plain = build_engine(target, "ar", backend="fast").generate(ids, params)
+        engine = build_engine(target, method, backend="fast", **options)
+        assert engine.runner.mode.exact and (check is None or check(engine))
+        got = engine.generate(ids, params)
+        assert got.token_ids == plain.token_ids, text
+        accepted += got.stats.accepted
+    return accepted
+
+
+def three_token_distribution():
+    """A tiny target with several likely tokens at each step, and the exact distribution of its first
+    3 sampled tokens after [1, 2, 3] at temperature 1, top_p 0.95, enumerated: (target, {(a, b, c): p})."""
+    from verispec.sampling import logits_to_probs
+    from verispec.types import SamplingParams
+
+    model = tiny_llama(vocab=8, seed=0, layers=1, hidden=16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)  # several likely tokens at each step
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=3)
+    prompt = torch.tensor([1, 2, 3])
+    with torch.inference_mode():
+        p1 = logits_to_probs(model(prompt[None]).logits[0, -1], params)
+        seq1 = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
+        p2 = logits_to_probs(model(seq1).logits[:, -1], params)
+        seq2 = torch.cat([seq1.repeat_interleave(8, 0), torch.arange(8).repeat(8)[:, None]], 1)
+        p3 = logits_to_probs(model(seq2).logits[:, -1], params).reshape(8, 8, 8)
+    exact = {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c]) for a in range(8) for b in range(8) for c in range(8)
+             if float(p1[a] * p2[a, b] * p3[a, b, c]) > 0}
+    return loaded(model), exact
+
+
+def distilled_features(target, folder):
+    """Self-distilled records (the target's greedy answers to 12 random prompts) and their features in
+    `folder`: (records, shard paths, feature layers)."""
+    from verispec.drafters.eagle import default_feature_layers
+    from verispec.engine import Engine
+    from verispec.train.extract import extract_features
+    from verispec.types import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    vocab = target.vocab_size
+    plain = Engine.for_model(target, None, backend="hf")
+    records = []
+    for i in range(12):
+        prompt = torch.randint(1, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        ans = plain.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
+        records.append({"id": str(i), "source": "test", "prompt_ids": prompt, "answer_ids": ans})
+    L = target.model.config.num_hidden_layers
+    layers = sorted(set(default_feature_layers(L)) | {L})
+    paths = extract_features(target, records, folder, layers, shard_size=5, progress=False)
+    return records, paths, layers

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import loaded, tiny_llama
 from verispec.bench import harness, prompts, report
@@ -16,15 +15,7 @@ from verispec.errors import InvalidParameter
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are all per-op overhead: a second thread only adds synchronisation, which costs 10-20x
-    wall time when the CI machine's two cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def byte_tokenizer():

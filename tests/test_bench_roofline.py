@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import loaded, tiny_llama
 from verispec.bench import roofline as rl
@@ -14,13 +13,7 @@ from verispec.bench.report import plot_roofline, write_json
 from verispec.errors import InvalidParameter
 from verispec.theory import CostCurve
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second thread only adds synchronisation on a busy CPU
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_default_ns():

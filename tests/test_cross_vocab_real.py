@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.api import build_engine
+from conftest import fast_greedy_equals_plain
 from verispec.drafters import CrossVocabularyDrafter
-from verispec.types import SamplingParams
 
 PROMPTS = ["The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
@@ -20,14 +19,6 @@ def test_gemma3_with_smollm2_draft_equals_plain_greedy(dtype):
 
     target = load_model("gemma3-270m", dtype=dtype)
     draft = load_model("smollm2-135m", dtype=dtype)
-    params = SamplingParams(max_new_tokens=16)
-    accepted = 0
-    for text in PROMPTS:
-        ids = target.encode(prompt=text)
-        plain = build_engine(target, "ar", backend="fast").generate(ids, params)
-        engine = build_engine(target, "draft", draft=draft, draft_length=4, backend="fast")
-        assert isinstance(engine.drafter, CrossVocabularyDrafter) and engine.runner.mode.exact
-        got = engine.generate(ids, params)
-        assert got.token_ids == plain.token_ids, text
-        accepted += got.stats.accepted
+    accepted = fast_greedy_equals_plain(target, PROMPTS, 16, "draft", draft=draft, draft_length=4,
+                                        check=lambda engine: isinstance(engine.drafter, CrossVocabularyDrafter))
     assert accepted > 0  # the two models agree on some of this text: drafts were used, not only refused

@@ -11,14 +11,13 @@ import json
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
+from conftest import distilled_features, loaded, tiny_llama
 from verispec.drafters.dflash import (BlockDrafter, BlockDrafterModel, block_logits_for_anchors, load_block_drafter,
                                       position_weights)
-from verispec.drafters.eagle import default_feature_layers
 from verispec.engine import Engine
 from verispec.errors import HeadMismatch
 from verispec.heads import save_head
-from verispec.train.extract import FeatureSet, extract_features
+from verispec.train.extract import FeatureSet
 from verispec.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,24 +97,10 @@ def test_an_oracle_block_is_accepted_whole(tiny):
 def test_sampling_path_is_lossless():
     """Sampled blocks with the drafter's per-position q (a chain, and a static tree drawn without
     replacement) keep the target's distribution: 3 tokens, chi-square against the enumerated target."""
+    from conftest import three_token_distribution
     from stats_util import chi_square_pvalue, marginals
 
-    from verispec.sampling import logits_to_probs
-
-    model = tiny_llama(vocab=8, seed=0, layers=1, hidden=16)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.15)  # several likely tokens at each step
-    target = loaded(model)
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=3)
-    prompt = torch.tensor([1, 2, 3])
-    with torch.inference_mode():
-        p1 = logits_to_probs(model(prompt[None]).logits[0, -1], params)
-        seq1 = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
-        p2 = logits_to_probs(model(seq1).logits[:, -1], params)
-        seq2 = torch.cat([seq1.repeat_interleave(8, 0), torch.arange(8).repeat(8)[:, None]], 1)
-        p3 = logits_to_probs(model(seq2).logits[:, -1], params).reshape(8, 8, 8)
-    exact = {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c]) for a in range(8) for b in range(8) for c in range(8)
-             if float(p1[a] * p2[a, b] * p3[a, b, c]) > 0}
+    target, exact = three_token_distribution()
     for tree in (None, "static:[[0],[1],[0,0],[1,0]]"):
         drafter = BlockDrafter(random_drafter_model(target, block_size=3, sharp=0.5), target.vocab_size)
         engine = Engine.for_model(target, drafter, draft_length=2, tree=tree, backend="hf")
@@ -138,16 +123,7 @@ V = 40
 def dataset(tmp_path_factory):
     """A tiny target's greedy answers to random prompts and their features (as test_train.py builds)."""
     target = loaded(tiny_llama(vocab=V, seed=11, layers=4))
-    g = torch.Generator().manual_seed(0)
-    plain = Engine.for_model(target, None, backend="hf")
-    records = []
-    for i in range(12):
-        prompt = torch.randint(1, V, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-        ans = plain.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
-        records.append({"id": str(i), "source": "test", "prompt_ids": prompt, "answer_ids": ans})
-    L = target.model.config.num_hidden_layers
-    layers = sorted(set(default_feature_layers(L)) | {L})
-    paths = extract_features(target, records, tmp_path_factory.mktemp("feats"), layers, shard_size=5, progress=False)
+    records, paths, _ = distilled_features(target, tmp_path_factory.mktemp("feats"))
     return target, records, FeatureSet(paths)
 
 

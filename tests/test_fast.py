@@ -16,15 +16,7 @@ from verispec.backends.transformers import HFRunner
 from verispec.fast import supports
 from verispec.types import SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, 2-thread OpenMP GEMMs stall for milliseconds
-    whenever the other core is busy (measured: a 8x32x64 GEMM took 23 ms instead of 5 us)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_qwen3(vocab: int = 32, seed: int = 0, dtype=torch.float32):

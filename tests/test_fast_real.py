@@ -14,16 +14,7 @@ from verispec.models.loader import from_model
 from verispec.types import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, 2-thread OpenMP GEMMs stall for milliseconds
-    whenever the other core is busy (measured: a 8x32x64 GEMM took 23 ms instead of 5 us)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("one_thread")]
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",

@@ -193,24 +193,10 @@ def test_engine_hands_over_the_committed_positions_features(tiny, backend, tree)
 def test_sampling_path_is_lossless():
     """Sampled proposals with draft probabilities (EAGLE chain, Medusa static tree drawn without
     replacement) keep the target's distribution: 3 tokens, chi-square against the enumerated target."""
+    from conftest import three_token_distribution
     from stats_util import chi_square_pvalue, marginals
 
-    from verispec.sampling import logits_to_probs
-
-    model = tiny_llama(vocab=8, seed=0, layers=1, hidden=16)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.15)  # several likely tokens at each step
-    target = loaded(model)
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=3)
-    prompt = torch.tensor([1, 2, 3])
-    with torch.inference_mode():
-        p1 = logits_to_probs(model(prompt[None]).logits[0, -1], params)
-        seq1 = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
-        p2 = logits_to_probs(model(seq1).logits[:, -1], params)
-        seq2 = torch.cat([seq1.repeat_interleave(8, 0), torch.arange(8).repeat(8)[:, None]], 1)
-        p3 = logits_to_probs(model(seq2).logits[:, -1], params).reshape(8, 8, 8)
-    exact = {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c]) for a in range(8) for b in range(8) for c in range(8)
-             if float(p1[a] * p2[a, b] * p3[a, b, c]) > 0}
+    target, exact = three_token_distribution()
     cases = [("eagle", None, 2), ("medusa", "static:[[0],[1],[0,0],[1,0]]", 2)]
     for kind, tree, k in cases:
         drafter = make_drafter(kind, target, heads=2) if kind == "medusa" else make_drafter(kind, target)

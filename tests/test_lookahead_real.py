@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.api import build_engine
-from verispec.types import SamplingParams
+from conftest import fast_greedy_equals_plain
 
 PROMPTS = ["List the first ten prime numbers: 2, 3, 5, 7,",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
@@ -19,15 +18,6 @@ def test_smollm2_lookahead_equals_plain_greedy(dtype):
     from verispec.models import load_model
 
     target = load_model("smollm2-135m", dtype=dtype)
-    params = SamplingParams(max_new_tokens=32)
-    accepted = 0
-    for text in PROMPTS:
-        ids = target.encode(prompt=text)
-        plain = build_engine(target, "ar", backend="fast").generate(ids, params)
-        engine = build_engine(target, "lookahead", backend="fast", lookahead_window=4, lookahead_ngram=4,
-                              lookahead_candidates=4)
-        assert engine.runner.mode.exact
-        got = engine.generate(ids, params)
-        assert got.token_ids == plain.token_ids, text
-        accepted += got.stats.accepted
+    accepted = fast_greedy_equals_plain(target, PROMPTS, 32, "lookahead", lookahead_window=4, lookahead_ngram=4,
+                                        lookahead_candidates=4)
     assert accepted > 0

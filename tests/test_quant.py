@@ -20,19 +20,11 @@ from verispec.fast.core import layer_step, projection_names
 from verispec.models.gguf_weights import parse_q4, parse_q4_k, rope_rows
 from verispec.types import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 BF16_U = 2.0 ** -8  # bfloat16 keeps 8 significant bits: rounding to nearest moves a value by <= 2^-8 of it
 
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the int kernels' many small calls each wait on the second OpenMP thread
-    whenever the other core is busy (on the shared 2-core machine: ~2x the test time)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 needs = pytest.mark.skipif(any(quant.available(f, torch.bfloat16, CPU) for f in ("q4", "q8")),

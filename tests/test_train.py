@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import loaded, tiny_llama
+from conftest import distilled_features, loaded, tiny_llama
 from verispec.drafters.eagle import EagleDrafter, EagleHead, default_feature_layers, load_eagle_head
 from verispec.drafters.medusa import MedusaHeads, load_medusa_heads
 from verispec.engine import Engine
@@ -33,17 +33,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def dataset(tiny, tmp_path_factory):
     """Self-distilled records (the tiny target's greedy answers to random prompts) and their features."""
-    g = torch.Generator().manual_seed(0)
-    plain = Engine.for_model(tiny, None, backend="hf")
-    records = []
-    for i in range(12):
-        prompt = torch.randint(1, V, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-        ans = plain.generate(prompt, SamplingParams(max_new_tokens=40)).token_ids
-        records.append({"id": str(i), "source": "test", "prompt_ids": prompt, "answer_ids": ans})
-    L = tiny.model.config.num_hidden_layers
-    layers = sorted(set(default_feature_layers(L)) | {L})
-    work = tmp_path_factory.mktemp("feats")
-    paths = extract_features(tiny, records, work, layers, shard_size=5, progress=False)
+    records, paths, layers = distilled_features(tiny, tmp_path_factory.mktemp("feats"))
     return records, FeatureSet(paths), layers
 
 

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from verispec.drafters import METHODS
 from verispec.errors import InvalidParameter
 from verispec.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_RANK, parse_tree
 
@@ -29,6 +30,12 @@ _Rank = Annotated[int, Field(ge=0, le=MAX_TREE_RANK)]
 _TreePath = Annotated[list[_Rank], Field(min_length=1, max_length=MAX_TREE_DEPTH)]
 _TreePaths = Annotated[list[_TreePath], Field(min_length=1, max_length=MAX_TREE_NODES)]
 _TreeName = Annotated[str, StringConstraints(max_length=8192)]
+
+
+def method_help() -> str:
+    """Every method of the registry (verispec.drafters.METHODS) with its factory's summary, for help texts:
+    a method added to the registry shows up in them."""
+    return ", ".join(f"{name} ({fn.__doc__.strip()})" if fn.__doc__ else name for name, fn in METHODS.items())
 
 
 def _printable(text: str, quote: bool = True) -> str:
@@ -73,8 +80,6 @@ class SpeculationSettings(BaseModel):
     @field_validator("method")
     @classmethod
     def _known_method(cls, v):
-        from verispec.drafters import METHODS
-
         if v is not None and v not in METHODS:
             raise ValueError(f"unknown method {_printable(v[:40])}; use one of: {', '.join(METHODS)}")
         return v

@@ -16,84 +16,19 @@ How it runs (after Spec-Bench, Xia et al. 2024, and its evaluation scripts):
 
 from __future__ import annotations
 
-import datetime as _dt
-import os
-import platform
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from verispec.bench.baselines import MethodSpec, VerispecContender, make_baseline, parse_method
+from verispec.bench.environment import environment
 from verispec.bench.prompts import Question
+from verispec.bench.summary import REFERENCE, find_mismatches, summarize
 from verispec.errors import InvalidParameter
 from verispec.theory import CostCurve
 
 SCHEMA = "verispec-bench/1"
-REFERENCE = "ar"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> list[str]:
-    """The instruction sets the CPU figures depend on (bf16 GEMMs, AMX, AVX-512), as /proc/cpuinfo names them."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    words = set(text.split())
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in words]
-
-
-def _git_commit() -> str | None:
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def environment(target=None) -> dict:
-    """Versions and hardware, stored with every result so runs on different machines can be compared."""
-    import transformers
-
-    import verispec
-
-    env = {
-        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "verispec": getattr(verispec, "__version__", None),
-        "git_commit": _git_commit(),
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "cuda": torch.version.cuda,
-    }
-    try:
-        import llama_cpp
-
-        env["llama_cpp_python"] = llama_cpp.__version__
-    except ImportError:
-        env["llama_cpp_python"] = None
-    if target is not None:
-        env.update(model=target.name, dtype=str(target.dtype).replace("torch.", ""), device=str(target.device))
-    return env
 
 
 class Conversation:
@@ -130,13 +65,6 @@ def _resolve_chat(target, mode: str) -> bool:
     if mode == "raw":
         return False
     raise InvalidParameter(f"prompt mode must be auto, chat or raw, got '{mode}'")
-
-
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _contenders(target, methods, draft, baselines, draft_length, threads):
@@ -290,98 +218,3 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
     result["mismatches"] = find_mismatches(runs)
     result["summary"] = summarize(runs, curve)
     return result
-
-
-def find_mismatches(runs: list[dict]) -> list[dict]:
-    """Every (question, contender, turn) whose greedy output differs from plain decoding's."""
-    ref = {r["question_index"]: r for r in runs if r["method"] == REFERENCE}
-    found = []
-    for r in runs:
-        base = ref.get(r["question_index"])
-        if r["method"] == REFERENCE or base is None:
-            continue
-        for ti, (t, bt) in enumerate(zip(r["turns"], base["turns"])):
-            d = _first_diff(t["token_ids"], bt["token_ids"])
-            if d is not None:
-                found.append({"question_index": r["question_index"], "question_id": r["question_id"], "category": r["category"], "method": r["method"],
-                              "kind": r["kind"], "turn": ti, "first_difference_at": d,
-                              "plain_tokens": len(bt["token_ids"]), "method_tokens": len(t["token_ids"])})
-                break  # later turns continue a different conversation
-    return found
-
-
-_SUMMED = ("steps", "drafted", "accepted", "committed", "draft_time", "verify_time", "prefill_time")
-
-
-def _aggregate(runs: list[dict]) -> dict:
-    tokens = sum(r["new_tokens"] for r in runs)
-    secs = sum(r["time_s"] for r in runs)
-    agg = {"questions": len(runs), "new_tokens": tokens, "time_s": secs,
-           "tokens_per_second": tokens / secs if secs > 0 else 0.0}
-    stats = [t["stats"] for r in runs for t in r["turns"] if t["stats"]]
-    if stats:
-        s = {k: sum(st.get(k, 0) or 0 for st in stats) for k in _SUMMED}
-        width = max((len(st.get("drafted_by_position", [])) for st in stats), default=0)
-        dpos, apos = [0] * width, [0] * width
-        for st in stats:
-            for i, v in enumerate(st.get("drafted_by_position", [])):
-                dpos[i] += v
-            for i, v in enumerate(st.get("accepted_by_position", [])):
-                apos[i] += v
-        loop = s["draft_time"] + s["verify_time"]
-        agg.update(
-            steps=s["steps"], drafted=s["drafted"], accepted=s["accepted"], committed=s["committed"],
-            mean_accepted_length=s["committed"] / s["steps"] if s["steps"] else 0.0,
-            acceptance_rate=s["accepted"] / s["drafted"] if s["drafted"] else None,
-            mean_draft_length=s["drafted"] / s["steps"] if s["steps"] else 0.0,
-            acceptance_by_position=[a / d if d else 0.0 for a, d in zip(apos, dpos)],
-            draft_time_s=s["draft_time"], verify_time_s=s["verify_time"], prefill_time_s=s["prefill_time"],
-            draft_share=s["draft_time"] / loop if loop > 0 else 0.0,
-            verify_share=s["verify_time"] / loop if loop > 0 else 0.0,
-        )
-    return agg
-
-
-def _predict(agg: dict, ref: dict, curve: CostCurve | None) -> None:
-    """Theory's speedup from this run's own rates: tau / (k c + verification cost), with c the measured draft
-    time per drafted token in plain-decoding forwards (Leviathan et al. 2023, Sec. 3.4)."""
-    if not agg.get("steps") or not ref.get("steps") or not ref.get("verify_time_s"):
-        return
-    t_forward = ref["verify_time_s"] / ref["steps"]  # one plain decoding step = one 1-position forward
-    k = agg["mean_draft_length"]
-    c = (agg["draft_time_s"] / agg["drafted"]) / t_forward if agg["drafted"] else 0.0
-    tau = agg["mean_accepted_length"]
-    agg["draft_cost_ratio"] = c
-    agg["verify_cost_ratio"] = (agg["verify_time_s"] / agg["steps"]) / t_forward
-    agg["predicted_speedup_flat"] = tau / (k * c + 1.0)
-    if curve is not None:
-        agg["predicted_speedup_curve"] = tau / (k * c + curve.ratio(k + 1))
-
-
-def summarize(runs: list[dict], curve: CostCurve | None = None) -> dict:
-    """Per contender: per category and overall figures; speedups against plain decoding on the same
-    questions (tokens per second over the group, Spec-Bench's ratio of speeds)."""
-    cats = list(dict.fromkeys(r["category"] for r in runs))
-    labels = list(dict.fromkeys(r["method"] for r in runs))
-    bad = {(m["question_index"], m["method"]) for m in find_mismatches(runs)}
-    out = {}
-    for label in labels:
-        mine = [r for r in runs if r["method"] == label]
-        entry = {"kind": mine[0]["kind"], "categories": {}}
-        groups = [(cat, [r for r in mine if r["category"] == cat]) for cat in cats] + [("overall", mine)]
-        for name, group in groups:
-            if not group:
-                continue
-            qids = {r["question_index"] for r in group}
-            ref_group = [r for r in runs if r["method"] == REFERENCE and r["question_index"] in qids]
-            agg = _aggregate(group)
-            ref = _aggregate(ref_group) if ref_group else {}
-            agg["speedup"] = agg["tokens_per_second"] / ref["tokens_per_second"] if ref.get("tokens_per_second") else None
-            agg["matches_plain"] = sum((r["question_index"], label) not in bad for r in group)
-            _predict(agg, ref, curve)
-            if name == "overall":
-                entry["overall"] = agg
-            else:
-                entry["categories"][name] = agg
-        out[label] = entry
-    return out

@@ -7,6 +7,8 @@ Plots are drawn with matplotlib's Agg backend (no display needed). One result or
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from verispec.errors import InvalidParameter
@@ -19,6 +21,13 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig, path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
 
 
 def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
@@ -41,10 +50,19 @@ def load_result(path: str | Path) -> dict:
     return data
 
 
+def command_line() -> str:
+    """This process's command line as one would type it again: `verispec ...` or `python script ...`."""
+    head = sys.argv[0]
+    words = ["verispec"] if Path(head).name in ("verispec", "__main__.py") else ["python", head]
+    return shlex.join(words + sys.argv[1:])
+
+
 def write_json(data: dict, path: str | Path) -> Path:
+    """Write a result; it carries the command line that produced it (figures live in results/ as JSON +
+    the command), unless it names its command itself."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps({"command": command_line(), **data}, indent=1) + "\n")
     return path
 
 
@@ -102,11 +120,10 @@ def _table(result: dict, overall_only: bool) -> str:
 
 
 def plot_speedup(result: dict, path: Path) -> Path:
-    plt = _plt()
     summary = result["summary"]
     labels = [m for m in summary if m != "ar"]
     cats = list(next(iter(summary.values()))["categories"]) + ["overall"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cats) * max(1, len(labels)) * 0.45 + 3), 4.5))
+    fig, ax = _plt().subplots(figsize=(max(6, 1.1 * len(cats) * max(1, len(labels)) * 0.45 + 3), 4.5))
     width = 0.8 / max(1, len(labels))
     for i, m in enumerate(labels):
         vals = [(summary[m]["categories"].get(c) if c != "overall" else summary[m]["overall"]) or {} for c in cats]
@@ -119,15 +136,11 @@ def plot_speedup(result: dict, path: Path) -> Path:
     ax.set_title(f"{result['config']['model']} ({result['config']['dtype']}): speedup per category")
     if labels:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_acceptance(result: dict, path: Path) -> Path:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _plt().subplots(figsize=(6, 4))
     drawn = 0
     for m, entry in result["summary"].items():
         acc = entry["overall"].get("acceptance_by_position") or []
@@ -142,19 +155,15 @@ def plot_acceptance(result: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no drafted tokens", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_throughput(result: dict, path: Path) -> Path:
-    plt = _plt()
     summary = result["summary"]
     labels = list(summary)
     tps = [summary[m]["overall"]["tokens_per_second"] for m in labels]
     colors = ["tab:gray" if m == "ar" else ("tab:orange" if summary[m]["kind"] == "baseline" else "tab:blue") for m in labels]
-    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(labels) + 2), 4))
+    fig, ax = _plt().subplots(figsize=(max(5, 0.9 * len(labels) + 2), 4))
     bars = ax.bar(range(len(labels)), tps, color=colors)
     for b, v in zip(bars, tps):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
@@ -162,10 +171,7 @@ def plot_throughput(result: dict, path: Path) -> Path:
     ax.set_xticklabels(labels, rotation=30, ha="right")
     ax.set_ylabel("tokens / s (overall)")
     ax.set_title("throughput: verispec (blue), plain (gray), baselines (orange)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_bench(result: dict, json_path: str | Path, plots: bool = True) -> dict[str, Path]:
@@ -187,12 +193,11 @@ def write_bench(result: dict, json_path: str | Path, plots: bool = True) -> dict
 
 
 def plot_roofline(result: dict, path: str | Path) -> Path:
-    plt = _plt()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     ns = [p["n"] for p in result["points"]]
     ms = [p["median_s"] * 1e3 for p in result["points"]]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(11, 4.2))
     ax.plot(ns, ms, marker="o", label="measured forward (median)")
     ax.axhline(result["floor_s"] * 1e3, color="tab:red", linestyle="--", label="bandwidth floor (weights / copy bw)")
     ax.axhline(result["t1_s"] * 1e3 * result["free_factor"], color="tab:gray", linestyle=":",
@@ -210,10 +215,7 @@ def plot_roofline(result: dict, path: str | Path) -> Path:
     ax2.set_xlabel("new positions N in one forward")
     ax2.set_ylabel("ms per position")
     ax2.set_title("cost per scored position")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------- several results side by side
@@ -281,10 +283,7 @@ def compare(paths: list[str | Path], out_dir: str | Path | None = None) -> tuple
                 if key == "speedup":
                     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
             axes[0].legend(fontsize=7)
-            fig.tight_layout()
-            files["bench_png"] = out / "compare_bench.png"
-            fig.savefig(files["bench_png"], dpi=110)
-            plt.close(fig)
+            files["bench_png"] = _save(fig, out / "compare_bench.png")
         if roofs:
             fig, ax = plt.subplots(figsize=(6.5, 4.2))
             for p, d in roofs:
@@ -295,10 +294,7 @@ def compare(paths: list[str | Path], out_dir: str | Path | None = None) -> tuple
             ax.set_xlabel("new positions N")
             ax.set_ylabel("forward time / N=1 time")
             ax.legend(fontsize=7)
-            fig.tight_layout()
-            files["roofline_png"] = out / "compare_roofline.png"
-            fig.savefig(files["roofline_png"], dpi=110)
-            plt.close(fig)
+            files["roofline_png"] = _save(fig, out / "compare_roofline.png")
         md = out / "compare.md"
         md.write_text("\n".join(lines) + "\n")
         files["markdown"] = md

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from verispec.cli import app, fail, friendly
+from verispec.commands import fail, friendly
 from verispec.models.registry import WEIGHTS_HELP
 
 out = Console(highlight=False, soft_wrap=True)
@@ -31,7 +31,6 @@ def _threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
-@app.command()
 @friendly
 def roofline(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
@@ -63,7 +62,7 @@ def roofline(
     bar.close()
     import torch
 
-    from verispec.bench.harness import environment
+    from verispec.bench.environment import environment
 
     result["environment"] = environment(target)
     result["environment"]["torch_threads"] = torch.get_num_threads()
@@ -74,7 +73,6 @@ def roofline(
     out.print(f"wrote {path} and {png}")
 
 
-@app.command()
 @friendly
 def theory(
     alpha: list[float] = typer.Option([0.6, 0.7, 0.8, 0.9], "--alpha", "-a", help="Acceptance rate (repeatable)."),
@@ -117,7 +115,6 @@ def _csv(values: list[str]) -> list[str]:
     return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
-@app.command()
 @friendly
 def bench(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Target model."),
@@ -188,7 +185,6 @@ def bench(
         fail("a lossless method's greedy output differs from plain decoding (see above)", code=1)
 
 
-@app.command()
 @friendly
 def report(
     files: list[Path] = typer.Argument(..., help="Bench and/or roofline JSON files."),

@@ -7,12 +7,11 @@ from typing import Optional
 
 import typer
 
-from verispec.cli import app, friendly
+from verispec.commands import friendly
 
 VERIFIERS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
 
 
-@app.command("export")
 @friendly
 def export(
     to: str = typer.Option(..., "--to", help="speculators (vLLM) or eagle3 (SGLang / SpecForge layout)."),

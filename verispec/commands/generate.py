@@ -9,8 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from verispec.cli import app, fail, friendly
+from verispec.commands import fail, friendly
 from verispec.models.registry import WEIGHTS_HELP
+from verispec.options import method_help
 
 out = Console(highlight=False)
 
@@ -24,14 +25,13 @@ def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional
     return prompt
 
 
-@app.command()
 @friendly
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Raw prompt text (or use --chat / --prompt-file)."),
     chat: Optional[str] = typer.Option(None, "--chat", "-c", help="A user chat message, wrapped in the model's chat template."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt (UTF-8) from a file."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
-    method: str = typer.Option("ar", "--method", help="ar (plain), ngram (prompt lookup), draft (draft model, any vocabulary), eagle, medusa, dflash (block drafter), suffix (suffix decoding), lookahead (lookahead decoding)."),
+    method: str = typer.Option("ar", "--method", help=method_help() + "."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft (another tokenizer than the target's works: its text is re-tokenized)."),
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Tokens drafted per step."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length: longer after a full accept, shorter after a rejection."),
@@ -108,7 +108,6 @@ def generate(
         out.print(f"[bold]speedup {speedup:.2f}x over plain decoding; output {same} to plain decoding[/]")
 
 
-@app.command()
 @friendly
 def models():
     """List the embedded default models and the conversion cache."""

@@ -7,15 +7,15 @@ from typing import Optional
 
 import typer
 
-from verispec.cli import app, err, fail, friendly
+from verispec.commands import err, fail, friendly
 from verispec.models.registry import WEIGHTS_HELP
+from verispec.options import method_help
 
 
-@app.command()
 @friendly
 def serve(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
-    method: str = typer.Option("ar", "--method", help="Default method: ar (plain), ngram, draft, ... (see verispec.drafters.METHODS); requests may override it."),
+    method: str = typer.Option("ar", "--method", help=f"Default method: {method_help()}; requests may override it."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for method 'draft' (loaded once)."),
     draft_length: int = typer.Option(5, "--draft-length", "-k", help="Default tokens drafted per step."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length by default."),

@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 
-from verispec.cli import app, friendly
+from verispec.commands import friendly
 
 train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa, DFlash-style block drafter) for a target model.")
-app.add_typer(train_app, name="train")
 
 
 def _run(kind: str, **options) -> None:
@@ -66,13 +65,10 @@ def _command(kind: str):
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads."),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
     ):
-        _run(kind, target=target, work=work, out=out, prompts=prompts, max_prompt_tokens=max_prompt_tokens,
-             max_new_tokens=max_new_tokens, gen_batch=gen_batch, gen_minutes=gen_minutes, steps=steps, batch_size=batch_size, seq_len=seq_len,
-             lr=lr, ttt_steps=ttt_steps, draft_vocab=draft_vocab, medusa_heads=medusa_heads, layout=layout, block_size=block_size,
-             dflash_layers=dflash_layers, block_anchors=block_anchors, seed=seed, device=device,
-             dtype=dtype, heldout_share=heldout_share, eval_prompts=eval_prompts, eval_bench=eval_bench,
-             eval_tokens=eval_tokens, eval_dtype=eval_dtype, max_positions=max_positions, threads=threads, progress=not no_progress, max_minutes=max_minutes, train_precision=train_precision, loop_ngram=loop_ngram,
-             feature_backend=feature_backend)
+        options = dict(locals())  # the parameters, named as TrainConfig's fields (and `kind`, a free variable)
+        options.pop("kind", None)
+        options["progress"] = not options.pop("no_progress")
+        _run(kind, **options)
 
     return cmd
 

@@ -12,14 +12,17 @@ from verispec.errors import InvalidParameter
 
 
 def _ar(target, **_):
+    """plain autoregressive decoding"""
     return None
 
 
 def _ngram(target, ngram_max: int = 3, ngram_min: int = 1, **_):
+    """prompt lookup"""
     return NGramDrafter(max_n=ngram_max, min_n=ngram_min)
 
 
 def _draft(target, draft=None, backend: str = "hf", **_):
+    """draft model, any vocabulary"""
     from verispec.models import LoadedModel, load_model
 
     if draft is None:
@@ -42,6 +45,7 @@ def _draft(target, draft=None, backend: str = "hf", **_):
 
 def _suffix(target, suffix_cache="global", suffix_alpha: float = 1.0, suffix_min_prob: float = 0.1,
             suffix_depth: int = 24, **_):
+    """suffix decoding"""
     from verispec.drafters.suffix import make_suffix_drafter
 
     return make_suffix_drafter(target.name, cache=suffix_cache, alpha=suffix_alpha, min_prob=suffix_min_prob,
@@ -49,24 +53,28 @@ def _suffix(target, suffix_cache="global", suffix_alpha: float = 1.0, suffix_min
 
 
 def _lookahead(target, lookahead_window: int = 2, lookahead_ngram: int = 3, lookahead_candidates: int = 2, **_):
+    """lookahead decoding"""
     from verispec.drafters.lookahead import LookaheadDrafter
 
     return LookaheadDrafter(window=lookahead_window, ngram=lookahead_ngram, candidates=lookahead_candidates)
 
 
 def _eagle(target, head=None, **_):
+    """EAGLE head"""
     from verispec.drafters.eagle import EagleDrafter
 
     return EagleDrafter.for_target(target, head)  # head: a trained head folder; None = the shipped one
 
 
 def _medusa(target, head=None, **_):
+    """Medusa heads"""
     from verispec.drafters.medusa import MedusaDrafter
 
     return MedusaDrafter.for_target(target, head)
 
 
 def _dflash(target, head=None, **_):
+    """block drafter"""
     from verispec.drafters.dflash import BlockDrafter
 
     return BlockDrafter.for_target(target, head)  # head: a trained drafter folder; None = the shipped one

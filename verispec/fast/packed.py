@@ -1,9 +1,9 @@
 """Weights prepacked for oneDNN's linear kernel on CPU: the GEMMs of a decode step at memory speed.
 
 At batch 1 a decode step is a chain of GEMVs over the weights. On this project's CPU (AVX-512 with
-bf16 dot products, no AMX) `F.linear` reads a weight from memory at 9-19 GB/s, far below the ~35 GB/s
-the cores can stream (measured 2026-12-03 with torch 2.13: SmolLM2's 49152 x 576 LM head in bfloat16
-took 4.7 ms, the same weight prepacked 1.6 ms; a 3072 x 576 MLP weight 210 us vs 84 us). The packed
+bf16 dot products, no AMX) `F.linear` reads a weight from memory far below the rate the cores can
+stream, and the same weight prepacked reads it much faster (figures: docs/performance-notes.md,
+kept out of the code because they belong to one machine and torch version). The packed
 layout is oneDNN's blocked layout, chosen once at load (`torch.ops.mkldnn._reorder_linear_weight`,
 the op inductor's CPU freezing pass uses) and run by `torch.ops.mkldnn._linear_pointwise`.
 
@@ -13,14 +13,13 @@ are used instead, so the fast path never depends on them.
 
 bfloat16 on CPUs without bf16 instructions (AVX2 only, e.g. AMD Zen 3): oneDNN refuses to pack bf16
 weights there, and `F.linear` in bfloat16 converts inside the GEMM, so its cost grows with the rows
-(measured 2026-12-04 on such a machine, SmolLM2-135M: a forward over 16 positions 245 ms against 25 ms
-over one, which leaves speculation nothing to spend; the LM head alone 3.2 ms at 1 row, 11.7 at 4, 46
-at 16). There each weight is kept twice: as it is, for one-row calls, where bf16 `F.linear` reads
-half the bytes of float32 and is the fastest kernel; and packed WIDENED to float32 (its values
-exactly: every bf16 number is a float32 number) for larger calls, which run the float32 kernel on the
-bf16 activations and round the output to bf16: the same products summed in float32, as a bf16 GEMM
-does (LM head at 16 rows: 10 ms). Exact mode's row-invariance probe sees the switch and keeps its
-passes at HYBRID_ROWS rows or more. `VERISPEC_PACKED=0` turns this off too.
+(a forward over 16 positions costs many times one over one position, which leaves speculation nothing
+to spend; docs/performance-notes.md). There each weight is kept twice: as it is, for one-row calls,
+where bf16 `F.linear` reads half the bytes of float32 and is the fastest kernel; and packed WIDENED to
+float32 (its values exactly: every bf16 number is a float32 number) for larger calls, which run the
+float32 kernel on the bf16 activations and round the output to bf16: the same products summed in
+float32, as a bf16 GEMM does. Exact mode's row-invariance probe sees the switch and keeps its passes at
+HYBRID_ROWS rows or more. `VERISPEC_PACKED=0` turns this off too.
 """
 
 from __future__ import annotations
@@ -34,9 +33,8 @@ import torch.nn.functional as F
 # the batch size oneDNN tunes the layout for: verification passes run a few to 8 rows (benchmarks/fast_decode.py)
 PACK_BATCH = 8
 # calls with fewer rows are padded to this many: oneDNN's 1- and 2-row kernels read a packed weight
-# slower than its 4-row one (measured 2026-12-03, SmolLM2's 121 decode-step weights, best of 5, bf16:
-# 13.6 ms at 1 row, 15.5 at 2, 12.2 at 4; per weight, the 3072 x 576 MLP one 186 / 197 / 157 us and the
-# LM head 2.29 / 2.37 / 1.76 ms; float32 alike), and a few more rows of arithmetic cost nothing there
+# slower than its 4-row one (figures: docs/performance-notes.md), and a few more rows of arithmetic cost
+# nothing there
 MIN_ROWS = 4
 
 
@@ -76,9 +74,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_BATCH)
 
 
-# bf16 without bf16 instructions: calls of fewer rows than this run F.linear on the bf16 weight, larger ones the
-# widened float32 copy (measured 2026-12-04 on an AVX2 Zen 3, all of SmolLM2's linears of one forward,
-# 2 threads: bf16 F.linear 14.3 / 27.6 / 54.5 ms at 1 / 2 / 4 rows, widened 26.8 / 26.8 / 23.6 ms)
+# bf16 without bf16 instructions: calls of fewer rows than this run F.linear on the bf16 weight (the faster
+# kernel at one row), larger ones the widened float32 copy (faster from two rows; docs/performance-notes.md)
 HYBRID_ROWS = 2
 
 

@@ -14,7 +14,7 @@ w = (q - 8) * scale + zero with q in 0..15, and int8 w = q * scale; scales and z
 activations' dtype. So a Q4_1 block w = d * q + m maps to scale = d, zero = m + 8 d, exactly but for
 the rounding of d and m + 8 d to bfloat16 (`effective()` gives the float32 weight a kernel multiplies
 by; tests/test_quant.py bounds its distance to the GGUF's float32 dequantization). Activations stay
-in bfloat16: the int4 kernel is 5-50x slower with float32 ones.
+in bfloat16: the int4 kernel is far slower with float32 ones (docs/performance-notes.md).
 
 `available(fmt)` probes that a kernel exists and computes what its convention says; where not, the
 decoder falls back to the dense weights and says so (decoder.py).
@@ -187,7 +187,7 @@ def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_
 WIDE_ROWS = {"q8": 6, "q4": 8}
 
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
-# (results/cpu/fast_decode_weights_*.json): the int4 and int8 kernels cost time per row (a 16-position
-# forward ~4x a 1-position one, prefill alike), so q4 wins plain decoding of short prompts but loses
+# (results/cpu/fast_decode_weights_*.json): the int4 and int8 kernels cost time per row (prefill alike;
+# docs/performance-notes.md), so q4 wins plain decoding of short prompts but loses
 # speculation's wider passes and long prompts to the dense packed weights, which stay the default
 DEFAULT = "bf16"

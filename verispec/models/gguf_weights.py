@@ -77,7 +77,7 @@ def rope_rows(n_rows: int, n_heads: int) -> torch.Tensor:
 class GGUFWeights:
     """Weights of one GGUF file (Llama family) by transformers parameter name; see the module docstring.
     Called as a function (a weight source of fast/decoder.py); the file is opened on first use (its
-    index takes ~2 s to read), and one object per loaded model keeps the runners' shared modules shared."""
+    index is slow to read), and one object per loaded model keeps the runners' shared modules shared."""
 
     def __init__(self, gguf: Path, converted: Path):
         self.gguf, self.converted = Path(gguf), Path(converted)

@@ -1,6 +1,6 @@
 """Load a causal LM and its tokenizer: embedded default, local directory, GGUF file or hub id.
 
-GGUF files are dequantized by transformers (15-90 s), so the result is saved once as safetensors under
+GGUF files are dequantized by transformers (slowly: docs/performance-notes.md), so the result is saved once as safetensors under
 cache_dir()/converted/<name>; later loads read that in a few seconds.
 """
 

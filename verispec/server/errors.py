@@ -19,9 +19,14 @@ from verispec.errors import InvalidPrompt, ModelNotFound, VerispecError
 log = logging.getLogger("verispec.server")
 
 
-def _utf8(text: str) -> str:
-    """A client's lone surrogates echoed in a message, escaped: the body must encode as UTF-8."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+# line breaks as str.splitlines knows them, written as escapes: a message is one line
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def _one_line(text: str) -> str:
+    """A client's text echoed in a message: lone surrogates escaped (the body must encode as UTF-8), and
+    line breaks, so the message stays one line whatever the client sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").translate(_LINE_BREAKS)
 
 
 class APIError(Exception):
@@ -31,7 +36,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        message, param = _utf8(message), None if param is None else _utf8(param)
+        message, param = _one_line(message), None if param is None else _one_line(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -131,6 +136,6 @@ def install(app: FastAPI) -> None:
         return verispec_error(exc).response()
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):  # the app's _Guard normally answers these first
+    async def _internal(request: Request, exc: Exception):  # guard.Guard normally answers these first
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return internal_error().response()

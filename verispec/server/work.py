@@ -23,7 +23,7 @@ RUNNER_OPTIONS = ("backend", "exact", "compile")
 class RunnerPool:
     """Runners kept between requests, so a request does not rebuild one.
 
-    A runner (verispec.fast.FastRunner) holds a fused copy of the target's weights and a KV cache, so
+    A runner (verispec.backends.fast.FastRunner) holds a fused copy of the target's weights and a KV cache, so
     building one per request would cost time and, with requests queued, memory per request. Engines
     themselves are cheap and built per job around a runner taken from here. At most `keep` idle
     runners are kept in all (a race needs one per lane at the same time; the least recently used goes

@@ -9,9 +9,8 @@ Shards of `shard_size` sequences are saved as they finish (shard_XXXX.pt), so a 
 
 Two backends: "hf" runs transformers' forward on right-padded batches; "fast" runs verispec's own forward
 (fast/runner.py, not exact) one sequence at a time, and gives the features the drafter reads when it
-drafts on the fast path. Positions per second, SmolLM2-135M, 2 threads: on an AVX2 Zen 3 (2026-12-04,
-16 sequences of 168-327 tokens) hf float32 280, hf bfloat16 55, fast 338 in either dtype; on the
-AVX-512 Zen 4 machine (2026-12-03) hf float32 232, fast bfloat16 655.
+drafts on the fast path; it is also the faster one, most of all in bfloat16 (positions per second in
+docs/performance-notes.md).
 """
 
 from __future__ import annotations

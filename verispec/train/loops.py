@@ -21,7 +21,7 @@ distribution at position t + i; slot i's loss has weight exp(-(i-1)/gamma) (dfla
 Both loops log loss and top-1 agreement (the head's argmax equals the target's), checkpoint every
 `save_every` steps with the optimizer and random state (resumable), and are seeded. The forward runs
 under bfloat16 autocast where the CPU has native bf16 matrix units (AVX-512 BF16 / AMX), with float32
-master weights and loss; a float32 GEMM there is ~10x slower than a bf16 one. Under torchrun they run
+master weights and loss; a float32 GEMM there is far slower than a bf16 one (docs/performance-notes.md). Under torchrun they run
 data-parallel with the same global batch (distributed.py): the per-step losses are normalised by the
 label count of the whole global batch.
 """

@@ -47,7 +47,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
-                                     # were 2-5x slower than float32 in transformers on this CPU)
+                                     # were slower than float32 in transformers; docs/performance-notes.md)
     feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
     max_minutes: float | None = None # stop training after this much wall time; the learning rate anneals by then
     loop_ngram: int = 16             # labels end where an answer starts repeating an earlier n-gram (0: never)
