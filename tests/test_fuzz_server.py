@@ -28,7 +28,7 @@ from schemathesis import GenerationMode  # noqa: E402
 from server_helpers import tiny_target  # noqa: E402
 from verispec.server import ServerConfig, create_app  # noqa: E402
 
-CASES = 360
+CASES = 1200
 MODEL = "tiny-words"
 BASE = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "the cat"}]}
 
