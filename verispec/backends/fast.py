@@ -11,17 +11,17 @@ first L slots of the cache with a [T, L] mask. In exact mode and compiled mode L
 `kv_block` (masked slots add exact zeros, so a position's attention result does not depend on how far
 L reaches); other passes attend over the filled slots rounded up to 16. kv_block is 512
 by default because PyTorch's CPU flash attention splits the keys into blocks of 512 and rounds a
-partly filled last block differently for different L: with kv_block 256, SmolLM2's logits at
-positions 762-765 changed when the pass attended over 768 slots instead of 1024 (measured 2026-12-03;
-tests/test_fast.py checks the property across that boundary). Eager mode uses the exact token
+partly filled last block differently for different L (with kv_block 256 a position's logits changed
+with how far L reached; docs/performance-notes.md; tests/test_fast.py checks the property across that
+boundary). Eager mode uses the exact token
 count; compiled mode pads to a few token buckets and marks L dynamic, so torch.compile makes one
 graph per bucket for every length (the cache is then allocated in full up front; eager mode grows it
-by doubling, a copy, as the sequence grows). Attending over the whole allocation instead cost 2.3x
-per decode step (measured 2026-12-03, SmolLM2 bf16: 56 ms vs 30 ms).
+by doubling, a copy, as the sequence grows). Attending over the whole allocation instead cost about
+twice as much per decode step (docs/performance-notes.md).
 
 Exact mode (default for greedy decoding; PassMode says how a generation's passes run): every pass that returns logits runs exactly
 `exact_bucket` tokens, so the GEMM kernels, which round differently for different row counts
-(measured here: a 1-row float32 GEMM differs in the last bits from the same row in a 4-row one), see
+(a 1-row float32 GEMM can differ in the last bits from the same row in a 4-row one), see
 the same shapes in plain decoding and in verification, and attention runs canonical.py's layout-free
 computation (a tree node's ancestors sit at other slots than plain decoding put them; the fused
 attention kernels sum differently for that): greedy speculative output, chains and trees, is
@@ -261,8 +261,8 @@ class FastRunner:
             exact_shape = self.mode.exact and not last_only
             layout_free = self.mode.canonical and not last_only  # canonical.py: trees exact too
             # exact shapes attend in whole kv blocks (see the module docstring); other passes over the
-            # filled slots only, rounded to whole SIMD vectors (T = 1 after 200 tokens: 36 us per layer
-            # over 208 slots vs 80 us over 512, measured 2026-12-03)
+            # filled slots only, rounded to whole SIMD vectors: a decode step's attention costs what the
+            # slots it reads cost (docs/performance-notes.md)
             block = self.kv_block if self.mode.blocks and not last_only else 16
             L = min(self.allocated, _round_up(first + T, block))
             slots = torch.arange(first, first + T, device=dev)

@@ -15,7 +15,7 @@ rows drafts B-1 tokens, whatever the draft length.
 
 Embedding: the target's own (frozen, not saved). LM head: a reduced draft vocabulary whose rows start
 as the target's LM-head rows and its final norm (as the EAGLE head's): the full 49k-row LM head over B
-rows would cost a few ms per block on this CPU, more than the drafter's layers.
+rows would cost more per block than the drafter's layers.
 
 Verification: a chain is each position's argmax (greedy) or a draw from each position's q (sampling;
 q goes with the proposal), and a tree takes each position's top-k tokens as the children of every node
@@ -124,7 +124,7 @@ class BlockDrafterModel(PackedLinears, nn.Module):
         the pending token with the latest feature), the MASK slots 1..B-1 add their own embedding. Giving
         every row both directly spares the slots learning to find them by attention first, which a
         CPU-sized training run cannot wait for (the pending token's embedding alone in row 0, as in
-        DFlash, learnt next to nothing in 170 steps here)."""
+        DFlash, learnt next to nothing in a short training run: docs/dflash.md)."""
         e = self.norm_e(F.embedding(pending, self.embed).to(self.mask_embed.dtype))
         fused = self.lin("inp", torch.cat([e, last.to(e.dtype)], dim=-1))
         slots = torch.cat([self.mask_embed.new_zeros(1, self.hidden), self.mask_embed], dim=0)

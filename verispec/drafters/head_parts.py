@@ -52,8 +52,8 @@ class PackedLinears:
 
     def pack_for_inference(self, dtype: torch.dtype) -> None:
         """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (fast/packed.py).
-        The float32 weights read by F.linear made drafting ~60% of an EAGLE step's drafting time on this
-        CPU (a draft forward reads 25 MB at ~8 GB/s). The trained parameters are untouched (training and
+        F.linear reads float32 weights far below the memory bandwidth on CPU, which made the weight reads
+        most of an EAGLE step's drafting time. The trained parameters are untouched (training and
         saving never see the copies); activations stay float32 between the linears."""
         from verispec.fast.packed import linear_for
 

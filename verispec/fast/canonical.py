@@ -4,8 +4,8 @@ Why. Greedy tree verification is bit-identical to plain decoding only if a tree 
 bits plain decoding computes for the same token at the same position. A tree node sees its ancestors
 at tree slots, not at the contiguous slots plain decoding put them in, and PyTorch's CPU kernels sum
 the products probabilities x values in an order that depends on where the nonzero terms sit among the
-masked zeros (measured 2026-12-03, torch 2.13 AVX-512: moving one visible key by 16 slots changed the
-last bits in 2-6 of 50 trials, in flash attention and in a plain matmul alike). The scores and the
+masked zeros (moving one visible key by 16 slots changed the last bits in a few of 50 trials, in flash
+attention and in a plain matmul alike: docs/performance-notes.md). The scores and the
 softmax do not have that problem once they are laid out in the same order.
 
 How. Each row's keys are put in canonical order: column c holds the key at position c (the prefix is

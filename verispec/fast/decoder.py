@@ -96,9 +96,9 @@ class FastDecoder:
         self.windows, self.rope_keys, self.ropes = windows, rope_keys, ropes
         self.embed_scale, self.final_softcap = embed_scale, final_softcap
         self.max_positions = max_positions
-        # bfloat16 attention on CPU runs 3-4x slower than float32 at decode shapes (measured 2026-12-03,
-        # torch 2.13, T=1 over 256 slots: 183 us vs 45 us per layer); the keys and values are the model
-        # dtype's values stored exactly in float32, so only the attention arithmetic is wider
+        # bfloat16 attention on CPU runs several times slower than float32 at decode shapes
+        # (docs/performance-notes.md); the keys and values are the model dtype's values stored exactly in
+        # float32, so only the attention arithmetic is wider
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.cache_dtype = torch.float32 if cpu_bf16 else self.dtype
         self._step = functools.partial(layer_step, a=arch, linear=self.linear)

@@ -1,16 +1,15 @@
 """Do the kernels of a pass give a row the same bits whatever number of rows shares the call? Probes.
 
-Why. Exact mode (runner.py) makes a position's logits independent of how many positions share its
+Why. Exact mode (backends/fast.py) makes a position's logits independent of how many positions share its
 pass. GEMM libraries pick kernels by the row count M and some of them sum a row's products in an
 order that depends on M, so the safe answer is to run every pass at one fixed row count, which makes
-plain decoding pay for 8 rows. But that is a property of the kernel, and it can be measured: on this
-project's CPU (torch 2.13, AVX-512 with bf16 dot products, 1 and 2 threads, measured 2026-12-03)
-oneDNN's prepacked linear returned, for SmolLM2-135M's five weight shapes, bit-identical rows for
-every M from 2 to 64, in bfloat16 and float32 alike (a 1-row call with K = 1536 takes another path).
+plain decoding pay for 8 rows. But that is a property of the kernel, and it can be measured: on a
+CPU with bf16 dot products oneDNN's prepacked linear can return bit-identical rows for every M from 2
+up (a 1-row call may take another path; docs/performance-notes.md has what the probe found where).
 Where the probe finds such a floor, exact mode runs the projections and the LM head at the pass's
 natural row count (never below the floor). Canonical attention
 (canonical.py) is probed alike: its score and value products are batched GEMMs whose row count is
-the pass's (measured here: rows agree from 2 on, a 1-row pass differs), so a pass runs
+the pass's (there too a 1-row pass can differ), so a pass runs
 max(its tokens, the larger floor) rows.
 
 The probe runs weights of the model's shapes at every M up to `max_rows` against one `max_rows`-row

@@ -158,8 +158,8 @@ class DynamicTree:
 
     budget None means "auto" (the default): chosen per step by the engine from the verification cost
     curve, because the best size is a property of the hardware and of the runner's mode: when exact
-    mode ran every pass at 8 rows, 8 positions cost what 1 did and 17 cost three passes (measured
-    2026-12-03, EAGLE on Spec-Bench: budget 7 1.01x, 15 0.67x, 16 0.50x).
+    mode ran every pass at 8 rows, 8 positions cost what 1 did and 17 cost three passes, so a fixed
+    budget just past a pass boundary lost most of its speedup (docs/performance-notes.md).
     """
 
     budget: int | None = None
