@@ -127,7 +127,7 @@ class Engine:
 
         if runner is None:  # else: a runner reused from an earlier engine (it is reset per generation)
             # the loaded model's weights format and its file's own weights (fast/quant.py), unless overridden
-            opts = {"weights": getattr(target, "weights", "auto"), "weight_source": getattr(target, "weight_source", None),
+            opts = {"weights": target.weights, "weight_source": target.weight_source,
                     **{k: v for k, v in (runner_options or {}).items() if v is not None or k != "weights"}}
             # slack past the context for tree nodes that share the last positions
             runner = make_runner(target.model, backend, capacity=target.context_length + 256, **opts)
