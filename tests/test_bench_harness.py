@@ -336,3 +336,28 @@ def test_a_broken_llama_cpp_install_counts_as_not_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else None)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it raises ImportError
     assert baselines.llamacpp_available() is False
+
+
+def test_llama_cpp_extra_buffer_types_off_for_one_load_only(monkeypatch):
+    """VERISPEC_LLAMACPP_EXTRA_BUFTS=0 (llama.cpp's AMX kernels fault in some VMs): the model loads with
+    use_extra_bufts False, and llama-cpp-python's defaults are back afterwards, also after an error."""
+    import sys
+    import types
+
+    from verispec.bench.baselines import _extra_buffer_types
+
+    params = types.SimpleNamespace
+    binding = types.SimpleNamespace(llama_model_default_params=lambda: params(use_extra_bufts=True))
+    module = types.ModuleType("llama_cpp.llama")
+    module.llama_cpp = binding
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama", module)
+    sys.modules["llama_cpp"].llama = module
+    original = binding.llama_model_default_params
+    with _extra_buffer_types(True):
+        assert binding.llama_model_default_params().use_extra_bufts is True
+    with pytest.raises(RuntimeError):
+        with _extra_buffer_types(False):
+            assert binding.llama_model_default_params().use_extra_bufts is False
+            raise RuntimeError("load failed")
+    assert binding.llama_model_default_params is original

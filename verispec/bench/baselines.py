@@ -13,9 +13,11 @@ speculation statistics. Baselines run on the same loaded model, dtype and prompt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
+import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -159,6 +161,31 @@ def llamacpp_available() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _extra_buffer_types(on: bool):
+    """llama.cpp's CPU backend puts weights in extra buffer types (AMX tiles, repacked Q4 blocks) by
+    default. Where the AMX kernels fault (a VM that reports amx_tile but faults on ldtilecfg),
+    VERISPEC_LLAMACPP_EXTRA_BUFTS=0 loads the model without them; llama-cpp-python's Llama() has no
+    argument for it, so its default model parameters are adjusted for that one call."""
+    if on:
+        yield
+        return
+    import llama_cpp.llama as binding
+
+    defaults = binding.llama_cpp.llama_model_default_params
+
+    def without():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    binding.llama_cpp.llama_model_default_params = without
+    try:
+        yield
+    finally:
+        binding.llama_cpp.llama_model_default_params = defaults
+
+
 class LlamaCppContender:
     """llama.cpp on the model's GGUF file (the quantized original, so outputs may differ from the
     dequantized transformers model: a baseline for speed, not for exactness)."""
@@ -176,8 +203,9 @@ class LlamaCppContender:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup)
         self.label = label
-        self.llm = llama_cpp.Llama(model_path=str(target.gguf_path), n_ctx=min(target.context_length, 4096),
-                                   n_threads=threads, draft_model=draft, verbose=False)
+        with _extra_buffer_types(os.environ.get("VERISPEC_LLAMACPP_EXTRA_BUFTS", "1") != "0"):
+            self.llm = llama_cpp.Llama(model_path=str(target.gguf_path), n_ctx=min(target.context_length, 4096),
+                                       n_threads=threads, draft_model=draft, verbose=False)
         self.eos = {int(self.llm.token_eos())} | set(target.eos_token_ids)
         self.options = {"gguf": str(target.gguf_path), "prompt_lookup": prompt_lookup}
 
