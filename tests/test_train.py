@@ -115,6 +115,27 @@ def test_training_resumes_from_its_checkpoint(tiny, dataset, tmp_path):
     assert [h["loss"] for h in part] == pytest.approx([h["loss"] for h in full], rel=1e-4)
 
 
+def test_a_resumed_training_counts_the_time_before_it(tiny, dataset, tmp_path):
+    """--max-minutes is the training time in all: a run resumed after its budget was spent trains no more
+    steps (before, each resumed run got the whole budget again and restarted the schedule's clock)."""
+    records, data, _ = dataset
+    kw = dict(steps=12, batch_size=2, seq_len=16, save_every=5, progress=False)
+
+    def crash(message):  # the first log line comes at step 10, after the checkpoint of step 5
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle(_eagle(tiny, records, seed=1), data, V, tmp_path, log=crash, **kw)
+    state = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    state["history"][-1]["seconds"] = 60.0  # the first run trained for a minute
+    torch.save(state, tmp_path / "trainer.pt")
+    lines = []
+    spent = train_eagle(_eagle(tiny, records, seed=1), data, V, tmp_path, log=lines.append, max_seconds=30, **kw)
+    assert lines == ["resumed at step 5", "time budget already spent at step 5"] and len(spent) == 5
+    more = train_eagle(_eagle(tiny, records, seed=1), data, V, tmp_path, log=lambda m: None, max_seconds=3600, **kw)
+    assert len(more) == 12 and more[-1]["seconds"] >= 60.0  # a larger budget trains on, on the same clock
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("layout", ["verispec", "eagle3"])
 def test_training_time_test_matches_inference(tiny, dataset, layout):

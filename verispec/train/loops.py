@@ -140,7 +140,9 @@ class Trainer:
         log = log if main else (lambda m: None)
         self.device, self.log, self.save_every, self.progress = torch.device(device), log, save_every, progress and main
         self.seed = seed
-        self.max_seconds = max_seconds  # wall-time cap for this run; the schedule anneals by then
+        # training-time cap over all runs of this training (a resumed run counts the time before it), so a
+        # resumed run continues the same learning-rate schedule and stops where one long run would have
+        self.max_seconds = max_seconds
         self.d2t = module.d2t.to(self.device)
         self.t2d = _vocab_maps(module.d2t.cpu(), vocab).to(self.device)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -183,7 +185,11 @@ class Trainer:
 
             it = tqdm(it, initial=self.step, total=self.steps, desc="train", unit="step")
         t0 = t_last = time.perf_counter()
-        elapsed = 0.0
+        spent = self.history[-1]["seconds"] if self.history else 0.0  # in the runs this one resumes
+        elapsed = spent
+        if self.max_seconds is not None and spent > self.max_seconds:  # the same test as after a step
+            self.log(f"time budget already spent at step {self.step}")
+            it = range(0)
         for step in it:
             idx = torch.randint(0, len(self.data), (self.batch_size,), generator=self.rng).tolist()
             rows = distributed.my_rows(self.data.batch(idx, self.seq_len, self.rng))  # every rank draws the global batch
@@ -210,7 +216,7 @@ class Trainer:
             if self.step % 10 == 0 or self.step == self.steps:
                 self.log(json.dumps(rec))
             if self.max_seconds is not None:  # the ranks' mean clock: every rank anneals and stops at the same step
-                elapsed = float(distributed.total(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))) / distributed.world()
+                elapsed = spent + float(distributed.total(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))) / distributed.world()
             out_of_time = self.max_seconds is not None and elapsed > self.max_seconds
             if (self.step % self.save_every == 0 or self.step == self.steps or out_of_time) and distributed.is_main():
                 self.save()

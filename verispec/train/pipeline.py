@@ -49,7 +49,7 @@ class TrainConfig:
     dtype: str = "float32"           # the target's dtype for data generation and features (bf16 matmuls
                                      # were slower than float32 in transformers; docs/performance-notes.md)
     feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
-    max_minutes: float | None = None # stop training after this much wall time; the learning rate anneals by then
+    max_minutes: float | None = None # training time over all resumed runs; the learning rate anneals by then
     loop_ngram: int = 16             # labels end where an answer starts repeating an earlier n-gram (0: never)
     train_precision: str = "auto"    # the training forward's autocast: auto = bf16 where the CPU has bf16 units
     max_positions: int | None = None # train on the first feature shards up to this many positions (a
