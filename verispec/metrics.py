@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from verispec.tree.layout import count_ranks
 from verispec.types import StepResult
 
 
@@ -64,13 +65,7 @@ class SpecStats:
             self.accepted_depth_counts.append(0)
         self.accepted_depth_counts[result.num_accepted] += 1
         for offered, rank in layout.walk_ranks(result.accepted_nodes):
-            while len(self.offered_by_rank) < offered:
-                self.offered_by_rank.append(0)
-                self.accepted_by_rank.append(0)
-            for r in range(offered):
-                self.offered_by_rank[r] += 1
-            if rank is not None:
-                self.accepted_by_rank[rank] += 1
+            count_ranks(self.offered_by_rank, self.accepted_by_rank, offered, rank)
 
     @property
     def nodes_per_step(self) -> float:

@@ -14,6 +14,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from verispec.theory import CostCurve
+from verispec.tree.layout import count_ranks
 from verispec.tree.shapes import DEFAULT_RANK_ACCEPTANCE, expected_accepted, optimal_paths
 
 
@@ -82,13 +83,7 @@ class RankAcceptance:
     accepted: list[float] = field(default_factory=list)
 
     def observe(self, offered_ranks: int, accepted_rank: int | None) -> None:
-        while len(self.offered) < offered_ranks:
-            self.offered.append(0.0)
-            self.accepted.append(0.0)
-        for r in range(offered_ranks):
-            self.offered[r] += 1
-        if accepted_rank is not None:
-            self.accepted[accepted_rank] += 1
+        count_ranks(self.offered, self.accepted, offered_ranks, accepted_rank)
 
     def profile(self) -> list[float]:
         n = max(len(self.prior), len(self.offered))

@@ -117,3 +117,15 @@ class TreeLayout:
         return out
 
 
+
+
+def count_ranks(offered: list, accepted: list, offered_ranks: int, accepted_rank: int | None) -> None:
+    """Add one node's children to per-rank tallies (in place): ranks 0..offered_ranks-1 were offered, and
+    accepted_rank (None: none) was taken; the lists grow as deeper ranks appear."""
+    while len(offered) < offered_ranks:
+        offered.append(0)
+        accepted.append(0)
+    for r in range(offered_ranks):
+        offered[r] += 1
+    if accepted_rank is not None:
+        accepted[accepted_rank] += 1
