@@ -55,12 +55,12 @@ def test_the_attention_probe_finds_a_row_dependent_attention(monkeypatch):
 
 def _count_rows(monkeypatch, runner, seen: list) -> None:
     """Append the row count of every pass `runner` runs to `seen`."""
-    real = runner.net.forward
+    real = runner.net.forward_parts
 
-    def spy(ids, *a, **k):
-        seen.append(int(ids.numel()))
-        return real(ids, *a, **k)
-    monkeypatch.setattr(runner.net, "forward", spy)
+    def spy(parts, *a, **k):
+        seen.append(sum(int(p.ids.numel()) for p in parts))
+        return real(parts, *a, **k)
+    monkeypatch.setattr(runner.net, "forward_parts", spy)
 
 
 def test_exact_mode_computes_natural_rows_with_the_same_bits(monkeypatch):

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from verispec.acceptance import verify
-from verispec.backends import Runner, TreeMask
+from verispec.backends import Forward, Runner, Scores, TreeMask
 from verispec.drafters.base import DraftLengthSchedule, Drafter
 from verispec.errors import InvalidParameter, InvalidPrompt
 from verispec.metrics import SpecStats
@@ -134,14 +134,19 @@ class Engine:
         return cls(runner, target.eos_token_ids, target.decode, target.context_length,
                    drafter=drafter, device=target.device, **kwargs)
 
-    def tree_shape(self, max_depth: int) -> TreeShape:
-        """The tree to ask the drafter for this step, cut to `max_depth` (the room left)."""
+    def tree_shape(self, max_depth: int, max_nodes: int | None = None) -> TreeShape:
+        """The tree to ask the drafter for this step, cut to `max_depth` (the room left); max_nodes caps a
+        dynamic tree's budget and a static tree's depth (a batch's share of the step's positions)."""
         tree = self.tree
         if isinstance(tree, StaticTree):
+            if max_nodes is not None:
+                max_depth = min(max_depth, max_nodes)
             return tree.truncated(max_depth) if tree.depth > max_depth else tree
         budget = tree.budget
         if budget is None:
             budget = choose_budget(self.rank_acceptance.profile(), self.verify_cost, max_depth=tree.depth).budget
+        if max_nodes is not None:
+            budget = min(budget, max_nodes)
         return DynamicTree(budget=budget, topk=tree.topk, depth=min(tree.depth, max_depth))
 
     def prefill(self, ids: list[int], should_stop: Callable[[], bool] | None = None):
@@ -162,47 +167,17 @@ class Engine:
             return False, None
         return False, features[0] if len(features) == 1 else torch.cat(features, dim=0)
 
-    def propose(self, context: list[int], k: int, room: int) -> Proposal | None:
+    def propose(self, context: list[int], k: int, room: int, max_nodes: int | None = None) -> Proposal | None:
         """The drafter's proposal for this step (None: decode one token plainly)."""
         if self.drafter is None or k <= 0:
             return None
         if self.tree is not None:
-            proposal = self.drafter.propose_tree(context, self.tree_shape(room - 1))
+            proposal = self.drafter.propose_tree(context, self.tree_shape(room - 1, max_nodes))
         else:
             proposal = self.drafter.propose(context, k)
         if proposal is not None and len(proposal) == 0 and (proposal.aux_tokens is None or not len(proposal.aux_tokens)):
             return None
         return proposal
-
-    def step(self, out: Output, schedule: DraftLengthSchedule, params: SamplingParams, generator,
-             stats: SpecStats) -> StepResult:
-        """Propose, verify in one forward, commit the accepted path; the drafter and stats learn of it."""
-        room = out.room()
-        t0 = time.perf_counter()
-        proposal = self.propose(out.context, min(schedule.length, room - 1), room)  # a step commits accepted + 1
-        t1 = time.perf_counter()
-        nodes = _Nodes.of(out.context[-1], proposal, room - 1)
-        base = self.runner.length
-        scores = self.runner.forward(nodes.ids, tree=nodes.tree, features=self.features)
-        n = len(nodes.ids) - nodes.aux  # the pending token and the drafted nodes
-        logits = scores.logits[:n] if nodes.aux else scores.logits
-        result = verify(nodes.drafted, nodes.parents, nodes.draft_probs, logits, params, generator)
-        if nodes.aux:
-            result = replace(result, aux_logits=scores.logits[n:])
-        path = [0] + [i + 1 for i in result.accepted_nodes]  # rows of the pending token and the accepted nodes
-        self.runner.commit(base, path)
-        stats.observe(result, nodes.layout)
-        if nodes.layout is not None:
-            for offered, rank in nodes.layout.walk_ranks(result.accepted_nodes):
-                self.rank_acceptance.observe(offered, rank)
-        stats.draft_time += t1 - t0
-        stats.verify_time += time.perf_counter() - t1
-        schedule.observe(result)
-        if self.features:
-            self.drafter.observe_features(scores.features[path])
-        if self.drafter is not None:
-            self.drafter.observe(result)
-        return result
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                should_stop: Callable[[], bool] | None = None) -> Iterator[StepEvent]:
@@ -211,43 +186,121 @@ class Engine:
         should_stop (a server's deadline or disconnect check) is asked between prefill chunks and
         between steps; when it returns True the generation ends with finish_reason "cancelled".
         """
-        if not prompt_ids:
-            raise InvalidPrompt("the prompt is empty; give some text")
-        if len(prompt_ids) >= self.context_length:
-            raise InvalidPrompt(f"the prompt has {len(prompt_ids)} tokens but the model takes at most "
-                                f"{self.context_length}; shorten it")
-        t_start = time.perf_counter()
-        stats = SpecStats(method=self.method, prompt_tokens=len(prompt_ids),
-                          tree=self.tree.describe() if self.tree is not None else "")
-        generator = make_generator(params.seed, self.device)
-        schedule = DraftLengthSchedule(self.draft_length, self.adaptive, self.max_draft_length)
-        out = Output(prompt_ids, params, self.eos_ids, self.context_length, self.decode)
-        if isinstance(self.tree, DynamicTree) and self.tree.budget is None and self.verify_cost is None:
-            self.verify_cost = measure_verify_cost(self.runner)  # once per engine, before the prefill
-        self.runner.reset(params)
-        stopped, prompt_features = self.prefill(out.context[:-1], should_stop) if len(out.context) > 1 else (False, None)
-        out.finish = "cancelled" if stopped else ""
-        stats.prefill_time = time.perf_counter() - t_start
-        if self.drafter is not None and not stopped:
-            self.drafter.begin(out.context, params, generator)
-            if self.features and len(out.context) > 1:
-                self.drafter.observe_features(prompt_features)
-        while not out.finish:
+        run = Decoding(self, prompt_ids, params)
+        run.prefill(should_stop)
+        while not run.finished:
             if should_stop is not None and should_stop():
-                out.finish = "cancelled"
+                run.cancel()
                 break
-            result = self.step(out, schedule, params, generator, stats)
-            event = out.add(stats.steps, result)
-            if stats.first_token_time is None and event.token_ids:
-                stats.first_token_time = time.perf_counter() - t_start
-            yield event
-        stats.total_time = time.perf_counter() - t_start
-        stats.new_tokens, stats.finish_reason = len(out.out), out.finish
-        self.last = Generation(text=out.text.text, token_ids=out.out, prompt_ids=list(prompt_ids), stats=stats,
-                               finish_reason=out.finish, kinds=out.kinds)
+            call = run.plan()
+            yield run.finish(self.runner.forward(call.ids, tree=call.tree, features=call.features))
+        self.last = run.result()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         for _ in self.stream(prompt_ids, params):
             pass
         assert self.last is not None
         return self.last
+
+
+class Decoding:
+    """One generation in progress: its output, sampling generator, draft-length schedule and statistics.
+
+    A step is split where the target forward goes: `plan()` asks the drafter and returns the forward
+    the step needs (`Forward`: the pending token and the proposal, their tree mask, the feature layers);
+    `finish(scores)` verifies, commits the accepted path and returns the StepEvent. Engine.stream runs
+    one Decoding with the engine's runner; batch.Batch runs many and scores all their forwards at once
+    (backends.forward_many). Each Decoding needs its own Engine (runner: its KV cache; drafter: its
+    state).
+    """
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
+        if not prompt_ids:
+            raise InvalidPrompt("the prompt is empty; give some text")
+        if len(prompt_ids) >= engine.context_length:
+            raise InvalidPrompt(f"the prompt has {len(prompt_ids)} tokens but the model takes at most "
+                                f"{engine.context_length}; shorten it")
+        self.engine, self.params, self.prompt_ids = engine, params, list(prompt_ids)
+        self.t_start = time.perf_counter()
+        self.stats = SpecStats(method=engine.method, prompt_tokens=len(prompt_ids),
+                               tree=engine.tree.describe() if engine.tree is not None else "")
+        self.generator = make_generator(params.seed, engine.device)
+        self.schedule = DraftLengthSchedule(engine.draft_length, engine.adaptive, engine.max_draft_length)
+        self.out = Output(prompt_ids, params, engine.eos_ids, engine.context_length, engine.decode)
+        self._step: tuple[_Nodes, int, float, float] | None = None  # the planned step: nodes, cache length, times
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.out.finish)
+
+    def prefill(self, should_stop: Callable[[], bool] | None = None) -> bool:
+        """Reset the runner and feed the prompt (all but its last token); the drafter begins. True when
+        should_stop stopped it (the generation is then cancelled)."""
+        engine, out = self.engine, self.out
+        if isinstance(engine.tree, DynamicTree) and engine.tree.budget is None and engine.verify_cost is None:
+            engine.verify_cost = measure_verify_cost(engine.runner)  # once per engine, before the prefill
+        engine.runner.reset(self.params)
+        stopped, features = engine.prefill(out.context[:-1], should_stop) if len(out.context) > 1 else (False, None)
+        self.stats.prefill_time = time.perf_counter() - self.t_start
+        if stopped:
+            self.cancel()
+        elif engine.drafter is not None:
+            engine.drafter.begin(out.context, self.params, self.generator)
+            if engine.features and len(out.context) > 1:
+                engine.drafter.observe_features(features)
+        return stopped
+
+    def cancel(self) -> None:
+        self.out.finish = "cancelled"
+
+    def plan(self, max_draft: int | None = None) -> Forward:
+        """Propose this step's nodes -> the forward that scores them. max_draft caps the drafted nodes
+        (a batch's share of the step's positions; 0: plain decoding)."""
+        engine, out = self.engine, self.out
+        room = out.room()
+        t0 = time.perf_counter()
+        k = min(self.schedule.length, room - 1)  # a step commits accepted + 1
+        if max_draft is not None:
+            k = min(k, max_draft)
+        proposal = engine.propose(out.context, k, room, max_draft)
+        t1 = time.perf_counter()
+        nodes = _Nodes.of(out.context[-1], proposal, room - 1)
+        self._step = (nodes, engine.runner.length, t0, t1)
+        return Forward(nodes.ids, nodes.tree, engine.features)
+
+    def finish(self, scores: Scores) -> StepEvent:
+        """Verify the planned step's nodes against their scores, commit the accepted path, tell the
+        drafter and the statistics -> the step's StepEvent."""
+        engine, stats = self.engine, self.stats
+        nodes, base, t0, t1 = self._step
+        self._step = None
+        n = len(nodes.ids) - nodes.aux  # the pending token and the drafted nodes
+        logits = scores.logits[:n] if nodes.aux else scores.logits
+        result = verify(nodes.drafted, nodes.parents, nodes.draft_probs, logits, self.params, self.generator)
+        if nodes.aux:
+            result = replace(result, aux_logits=scores.logits[n:])
+        path = [0] + [i + 1 for i in result.accepted_nodes]  # rows of the pending token and the accepted nodes
+        engine.runner.commit(base, path)
+        stats.observe(result, nodes.layout)
+        if nodes.layout is not None:
+            for offered, rank in nodes.layout.walk_ranks(result.accepted_nodes):
+                engine.rank_acceptance.observe(offered, rank)
+        stats.draft_time += t1 - t0
+        stats.verify_time += time.perf_counter() - t1
+        self.schedule.observe(result)
+        if engine.features:
+            engine.drafter.observe_features(scores.features[path])
+        if engine.drafter is not None:
+            engine.drafter.observe(result)
+        event = self.out.add(stats.steps, result)
+        if stats.first_token_time is None and event.token_ids:
+            stats.first_token_time = time.perf_counter() - self.t_start
+        return event
+
+    def result(self) -> Generation:
+        """The Generation as it stands (finished: its final statistics)."""
+        stats, out = self.stats, self.out
+        stats.total_time = time.perf_counter() - self.t_start
+        stats.new_tokens, stats.finish_reason = len(out.out), out.finish
+        return Generation(text=out.text.text, token_ids=out.out, prompt_ids=self.prompt_ids, stats=stats,
+                          finish_reason=out.finish, kinds=out.kinds)

@@ -2,11 +2,12 @@
 
     runner = make_runner(model, backend="auto")   # fast.FastRunner when the family has a fast module,
                                                   # else transformers.HFRunner
+    scores = forward_many([(runner_a, call_a), (runner_b, call_b)])   # several sequences, shared forwards
 """
 
 from __future__ import annotations
 
-from verispec.backends.base import Runner, Scores, TreeMask
+from verispec.backends.base import Forward, Runner, Scores, TreeMask
 from verispec.errors import InvalidParameter
 
 BACKENDS = ("auto", "hf", "fast")
@@ -29,4 +30,22 @@ def make_runner(model, backend: str = "auto", **fast_options) -> Runner:
     return FastRunner(model, **fast_options)
 
 
-__all__ = ["BACKENDS", "Runner", "Scores", "TreeMask", "make_runner"]
+def forward_many(calls: list[tuple[Runner, Forward]]) -> list[Scores]:
+    """Each runner's Forward scored, in order: the calls whose runners give equal `batch_key`s share
+    forwards (the backend's `forward_together`), the others run alone. Each runner appears once."""
+    out: list[Scores | None] = [None] * len(calls)
+    groups: dict = {}
+    for i, (runner, call) in enumerate(calls):
+        key = runner.batch_key(call)
+        if key is None:
+            out[i] = runner.forward(call.ids, tree=call.tree, features=call.features)
+        else:
+            groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+        runners = [calls[i][0] for i in idx]
+        for i, scores in zip(idx, type(runners[0]).forward_together(runners, [calls[i][1] for i in idx])):
+            out[i] = scores
+    return out
+
+
+__all__ = ["BACKENDS", "Forward", "Runner", "Scores", "TreeMask", "forward_many", "make_runner"]

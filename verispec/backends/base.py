@@ -50,6 +50,15 @@ class Scores(NamedTuple):
     features: torch.Tensor | None = None
 
 
+class Forward(NamedTuple):
+    """One forward a generation step asks of its runner: ids [n] after the cached positions, their tree
+    mask (None: a chain, causal), the feature layers to return."""
+
+    ids: list[int]
+    tree: TreeMask | None = None
+    features: tuple[int, ...] = ()
+
+
 class Runner(Protocol):
     """A target backend. Members with a body are defaults a backend may override."""
 
@@ -81,6 +90,11 @@ class Runner(Protocol):
     def check_tree_support(self) -> None:
         """Raise (UnsupportedModel, InvalidParameter) now, not mid-generation, when forward cannot take a tree."""
         raise InvalidParameter("this target backend cannot verify trees; drop the tree option")
+
+    def batch_key(self, call: Forward):
+        """Runners whose calls have equal keys can score them in one shared forward (`forward_together`,
+        a static method of the backend); None: this call runs alone (the default)."""
+        return None
 
 
 def path_is_chain(keep) -> bool:

@@ -42,9 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.backends.base import Scores, TreeMask, path_is_chain
+from verispec.backends.base import Forward, Scores, TreeMask, path_is_chain
 from verispec.errors import InvalidPrompt
 from verispec.fast import canonical, shared_fast_model
+from verispec.fast.decoder import Part
 
 
 def _round_up(x: int, m: int) -> int:
@@ -238,6 +239,25 @@ class FastRunner:
              last_only: bool, capture: tuple[int, ...], tree_start: int = 0) -> Scores:
         """ids [n]; chain (anc None: causal, positions length..) or tree (anc [n, C] over the slots from
         tree_start, positions [n])."""
+        n = self._begin(ids, positions)
+        out, feats = [], []
+        c0 = 0
+        while c0 < n:
+            p = self._pass(ids, anc, c0, last_only, tree_start)
+            (logits, got), = self.net.forward_parts([p.part], compiled=self.compile and not last_only,
+                                                    capture=capture or None, wide=p.wide, native=self.native)
+            logits, feat = p.outputs(logits, got, capture)
+            if logits.shape[0]:
+                out.append(logits)
+            if capture:
+                feats.append(feat)
+            c0 = p.end
+        self.length = self._base + n
+        cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # noqa: E731
+        return Scores(cat(out), cat(feats) if capture else None)
+
+    def _begin(self, ids: torch.Tensor, positions: torch.Tensor | None) -> int:
+        """Check room for ids after the cached positions, grow the cache, note the call's positions -> n."""
         n = int(ids.numel())
         base = self.length
         if n == 0:
@@ -245,51 +265,107 @@ class FastRunner:
         if base + n > self.capacity:
             raise InvalidPrompt(f"the sequence would hold {base + n} positions but the fast cache holds "
                                 f"{self.capacity}; shorten the prompt or raise capacity")
-        dev = self.device
         need = _round_up(base + n + self.headroom, self.kv_block)
         if need > self.allocated:
             self._grow(min(self.slots_total, max(need, 2 * self.allocated)))
-        if positions is None:
-            positions = torch.arange(base, base + n, device=dev)
-        out = []
-        feats: list[torch.Tensor] = []
-        c0 = 0
-        while c0 < n:
-            take, T = self._pass_size(n - c0, last_only)
-            c1 = c0 + take
-            first = base + c0  # first slot of this pass
-            exact_shape = self.mode.exact and not last_only
-            layout_free = self.mode.canonical and not last_only  # canonical.py: trees exact too
-            # exact shapes attend in whole kv blocks (see the module docstring); other passes over the
-            # filled slots only, rounded to whole SIMD vectors: a decode step's attention costs what the
-            # slots it reads cost (docs/performance-notes.md)
-            block = self.kv_block if self.mode.blocks and not last_only else 16
-            L = min(self.allocated, _round_up(first + T, block))
-            slots = torch.arange(first, first + T, device=dev)
-            pos = torch.empty(T, dtype=torch.long, device=dev)
-            pos[:take] = positions[c0:c1]
-            pos[take:] = pos[take - 1]
-            tok = torch.zeros(T, dtype=torch.long, device=dev)
-            tok[:take] = ids[c0:c1]
-            self.slot_pos[first:first + T] = pos
-            mask, order = self._mask(anc, slice(c0, c1), T, L, pos, slots, tree_start, layout_free)
-            canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start) if layout_free else None
-            if last_only:
-                rows = slice(take - 1, take) if c1 == n else slice(0, 0)
-            else:
-                rows = slice(0, T) if exact_shape else slice(0, take)
-            captured: list = []
-            logits = self.net.forward(tok, pos, slots, mask, self.slot_pos, self.kv, rows=rows,
-                                      compiled=self.compile and not last_only, capture=capture or None, captured=captured,
-                                      canon=canon, wide=self.wide and not exact_shape, native=self.native)
-            if capture:
-                got = dict(captured)
-                feats.append(torch.cat([got[i][:take] for i in capture], dim=-1))
-            if not last_only:
-                logits = logits[:take]
-            if logits.shape[0]:
-                out.append(logits)
-            c0 = c1
-        self.length = base + n
-        cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # noqa: E731
-        return Scores(cat(out), cat(feats) if capture else None)
+        self._base = base
+        self._positions = torch.arange(base, base + n, device=self.device) if positions is None else positions
+        return n
+
+    def _pass(self, ids: torch.Tensor, anc: torch.Tensor | None, c0: int, last_only: bool, tree_start: int) -> "_Pass":
+        """The next pass of a call (its tokens from c0 on), with the padding rows and mask its mode asks for."""
+        dev, n, base, positions = self.device, int(ids.numel()), self._base, self._positions
+        take, T = self._pass_size(n - c0, last_only)
+        c1 = c0 + take
+        first = base + c0  # first slot of this pass
+        exact_shape = self.mode.exact and not last_only
+        layout_free = self.mode.canonical and not last_only  # canonical.py: trees exact too
+        # exact shapes attend in whole kv blocks (see the module docstring); other passes over the
+        # filled slots only, rounded to whole SIMD vectors: a decode step's attention costs what the
+        # slots it reads cost (docs/performance-notes.md)
+        block = self.kv_block if self.mode.blocks and not last_only else 16
+        L = min(self.allocated, _round_up(first + T, block))
+        slots = torch.arange(first, first + T, device=dev)
+        pos = torch.empty(T, dtype=torch.long, device=dev)
+        pos[:take] = positions[c0:c1]
+        pos[take:] = pos[take - 1]
+        tok = torch.zeros(T, dtype=torch.long, device=dev)
+        tok[:take] = ids[c0:c1]
+        self.slot_pos[first:first + T] = pos
+        mask, order = self._mask(anc, slice(c0, c1), T, L, pos, slots, tree_start, layout_free)
+        canon = canonical.plan(pos, L, order, floor=None if anc is None else tree_start) if layout_free else None
+        if last_only:
+            rows = slice(take - 1, take) if c1 == n else slice(0, 0)
+        else:
+            rows = slice(0, T) if exact_shape else slice(0, take)
+        part = Part(tok, pos, slots, mask, self.slot_pos, self.kv, rows, canon)
+        return _Pass(part, c1, take, last_only, wide=self.wide and not exact_shape)
+
+    # -- several runners in one forward (backends.forward_many) -----------------------------------
+    def batch_key(self, call: Forward):
+        """Runners with equal keys score their calls in one forward (forward_together): the same weights
+        and pass mode, each call one eager pass; None: this call runs alone. In exact mode only where
+        passes run natural row counts (row-invariant kernels), so a sequence's bits do not depend on the
+        rows the other sequences bring."""
+        if self.compile or (self.mode.exact and self._natural_floor() is None):
+            return None
+        n = len(call.ids)
+        if self._pass_size(n, False)[0] < n:
+            return None
+        return id(self.net), self.mode, self.kv_block, self.exact_max_rows
+
+    @staticmethod
+    @torch.inference_mode()
+    def forward_together(runners: list["FastRunner"], calls: list[Forward]) -> list[Scores]:
+        """Score each runner's call (equal batch_key) in shared forwards: every sequence's pass rows, as
+        alone, side by side in one pass; in exact mode at most exact_max_rows rows a pass (the row count
+        the kernels were probed up to), so a batch may take several passes."""
+        passes = []
+        for r, call in zip(runners, calls):
+            ids = torch.as_tensor(call.ids, dtype=torch.long, device=r.device).reshape(-1)
+            anc, positions, start = None, None, 0
+            if call.tree is not None:
+                start, anc, depths = call.tree.checked(int(ids.numel()), r.length, r.device)
+                positions = start + depths[-ids.numel():]
+            r._begin(ids, positions)
+            passes.append(r._pass(ids, anc, 0, False, start))
+        cap = runners[0].exact_max_rows if runners[0].mode.exact else None
+        groups, rows = [[]], 0
+        for i, p in enumerate(passes):
+            t = int(p.part.ids.shape[0])
+            if groups[-1] and cap is not None and rows + t > cap:
+                groups.append([])
+                rows = 0
+            groups[-1].append(i)
+            rows += t
+        capture = tuple(sorted(set().union(*(c.features for c in calls))))
+        out: list[Scores | None] = [None] * len(runners)
+        for group in groups:
+            got = runners[0].net.forward_parts([passes[i].part for i in group], capture=capture or None,
+                                               wide=all(passes[i].wide for i in group), native=False)
+            for i, (logits, feats) in zip(group, got):
+                r, call = runners[i], calls[i]
+                logits, feat = passes[i].outputs(logits, feats, tuple(call.features))
+                r.length = r._base + passes[i].take
+                out[i] = Scores(logits, feat if call.features else None)
+        return out
+
+
+@dataclass
+class _Pass:
+    """One pass of a runner's call: the decoder's Part, where the call continues, the tokens it takes, and
+    whether it may run the wide kernels (FastDecoder.forward)."""
+
+    part: Part
+    end: int
+    take: int
+    last_only: bool
+    wide: bool
+
+    def outputs(self, logits: torch.Tensor, captured: list, capture: tuple[int, ...]):
+        """(the logits of the call's tokens, their features at `capture` or None) from the pass's results."""
+        feat = None
+        if capture:
+            got = dict(captured)
+            feat = torch.cat([got[i][:self.take] for i in capture], dim=-1)
+        return (logits if self.last_only else logits[:self.take]), feat

@@ -94,6 +94,10 @@ class HFRunner:
         feats = torch.cat([out.hidden_states[i][0] for i in features], dim=-1) if features else None
         return Scores(out.logits[0], feats)
 
+    def batch_key(self, call) -> None:
+        """Each sequence runs its own forward here (a DynamicCache per runner)."""
+        return None
+
     def check_tree_support(self) -> None:
         if self._mask_plan is None:
             self._mask_plan = tree_mask_plan(self.model)

@@ -77,6 +77,26 @@ def layer_step(x: torch.Tensor, w: dict, kv: torch.Tensor, slots: torch.Tensor,
     canon:   a canonical.Canon plan (exact mode): attention independent of the key layout; `mask` is
              then canonical.bias(...) of the mask in canonical (position) order
     """
+    qk, qkv = _attention_in(x, w, cos, sin, a, linear)
+    return _attention_out(x, _attend(qk, qkv, kv, slots, mask, a, canon, x.dtype), w, a, linear)
+
+
+def layer_step_parts(x: torch.Tensor, w: dict, parts: list[tuple], cos: torch.Tensor, sin: torch.Tensor, a: Arch,
+                     linear: Callable = F.linear) -> torch.Tensor:
+    """layer_step for the rows of several sequences at once (a batch): the projections and the MLP run
+    over all rows in one GEMM each, attention per sequence over its own cache. parts: (rows, kv, slots,
+    mask, canon) per sequence, rows the slice of x it owns, the rest as in layer_step. Each row gets the
+    same operations as in layer_step, so where the GEMMs give a row the same bits at any row count
+    (row_invariance.py) a sequence's result does not depend on its company."""
+    qk, qkv = _attention_in(x, w, cos, sin, a, linear)
+    o = torch.cat([_attend(qk[rows], qkv[rows], kv, slots, mask, a, canon, x.dtype)
+                   for rows, kv, slots, mask, canon in parts])
+    return _attention_out(x, o, w, a, linear)
+
+
+def _attention_in(x, w, cos, sin, a: Arch, linear):
+    """The attention input norm, the q/k/v projection (one GEMM) and rotary embedding -> (q and k rotated
+    [T, H + KVH, hd], the projection [T, H + 2 KVH, hd])."""
     T = x.shape[0]
     H, KVH, hd = a.n_heads, a.n_kv_heads, a.head_dim
     h = rms_norm(x, w["ln_attn"], a.eps, a.gemma_norm)
@@ -86,7 +106,13 @@ def layer_step(x: torch.Tensor, w: dict, kv: torch.Tensor, slots: torch.Tensor,
                         rms_norm(qkv[:, H:H + KVH], w["k_norm"], a.eps, a.gemma_norm)), dim=1)
     else:
         qk = qkv[:, :H + KVH]
-    qk = _rotate(qk, cos, sin)  # queries and keys in one go: per-layer op count is most of a CPU decode step
+    return _rotate(qk, cos, sin), qkv  # queries and keys in one go: per-layer op count is most of a CPU decode step
+
+
+def _attend(qk, qkv, kv, slots, mask, a: Arch, canon, dtype) -> torch.Tensor:
+    """Write one sequence's keys and values into its cache and attend -> [T, H * hd] in `dtype`."""
+    T = qk.shape[0]
+    H, KVH, hd = a.n_heads, a.n_kv_heads, a.head_dim
     # the position is the pointer: keys and values land in their slots in one copy, nothing is concatenated
     # onto the cache or reallocated; the cache may hold a wider dtype than the model (float32 for bfloat16
     # on CPU, see FastDecoder)
@@ -99,7 +125,11 @@ def layer_step(x: torch.Tensor, w: dict, kv: torch.Tensor, slots: torch.Tensor,
         o = F.scaled_dot_product_attention(qh[None], kv[None, :KVH, :L], kv[None, KVH:, :L],
                                            attn_mask=mask[None, None], scale=a.scale,
                                            enable_gqa=H != KVH)[0]
-    o = o.transpose(0, 1).to(x.dtype).reshape(T, H * hd)  # a view at T = 1
+    return o.transpose(0, 1).to(dtype).reshape(T, H * hd)  # a view at T = 1
+
+
+def _attention_out(x, o, w, a: Arch, linear) -> torch.Tensor:
+    """The output projection, the residual, the MLP and its residual."""
     o = linear(o, w["wo"], w.get("bo"))
     if a.sandwich:
         o = rms_norm(o, w["ln_post_attn"], a.eps, a.gemma_norm)

@@ -12,15 +12,16 @@ oneDNN's linear kernel (packed.py: 2-3x faster GEMVs there; a copy of those weig
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from verispec.fast import canonical, packed, quant, row_invariance
 from verispec.fast import native as native_ext
-from verispec.fast.core import Arch, layer_step, rms_norm, rope_tables
+from verispec.fast.core import Arch, layer_step, layer_step_parts, rms_norm, rope_tables
 
 PROJECTIONS = ("wqkv", "wo", "wgu", "wdown")
 
@@ -201,7 +202,7 @@ class FastDecoder:
                 canon=None, wide: bool = False, native: bool = False) -> torch.Tensor:
         """ids/pos/slots [T], mask [T, L] (causal or tree, before sliding windows), slot_pos [S] the
         position id held by each cache slot (already updated for `slots`), kv the caches of new_cache ->
-        logits [rows, V] float32.
+        logits [rows, V] float32: one sequence's pass (forward_parts with one Part).
 
         capture: hidden-state indices (transformers' numbering: i = output of layer i - 1, n_layers = the
         final normed state) whose [T, hidden] rows are appended to `captured` (drafters reading features).
@@ -211,33 +212,64 @@ class FastDecoder:
         quantized weights, T >= wide_rows then runs their dense copy (eager only).
         native: eager passes run the layers through native.py's C++ step where it is built and covers
         this model (the same operations, so the same bits as layer_step)."""
-        step = self.compiled_step() if compiled else self._step
-        layers, lm_head, linear = self.layers, self.lm_head, self.linear
-        if wide and not compiled and self._dense is not None and ids.shape[0] >= self.wide_rows:
-            layers, lm_head, linear, step = self._dense
-        if compiled:  # the attended length grows in kv blocks: one graph for every length
-            torch._dynamo.maybe_mark_dynamic(mask, 1)  # "maybe": L may equal the whole allocation
-        x = F.embedding(ids, self.embed)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale).to(self.dtype)  # float32 scalar cast, as transformers does
-        tables = {key: rope_tables(pos, inv, scaling, self.dtype) for key, (inv, scaling) in self.ropes.items()}
+        (logits, got), = self.forward_parts([Part(ids, pos, slots, mask, slot_pos, kv, rows, canon)], compiled=compiled,
+                                            capture=capture, wide=wide, native=native)
+        if capture:
+            captured.extend(got)
+        return logits
+
+    def _masks(self, part: "Part") -> dict[int | None, torch.Tensor]:
+        """A part's attention masks per sliding window (None: the full mask), as the additive biases (or the
+        canonical plan's biases) every layer's attention takes."""
+        mask, pos, canon = part.mask, part.pos, part.canon
         masks: dict[int | None, torch.Tensor] = {None: mask}
         L = mask.shape[-1]
-        key_pos = slot_pos[:L] if canon is None else torch.arange(L, device=mask.device)
+        key_pos = part.slot_pos[:L] if canon is None else torch.arange(L, device=mask.device)
         for w in set(self.windows):
             if w is not None:  # sliding window from position ids, so tree nodes and compacted paths work alike
                 masks[w] = mask & ((pos[:, None] - key_pos[None, :]) < w)
         if canon is not None:
             g = self.arch.n_heads // self.arch.n_kv_heads
-            masks = {key: canonical.bias(m, g) for key, m in masks.items()}
-        else:  # additive, once per pass: a boolean mask is converted inside every layer's attention call
-            masks = {key: torch.zeros(m.shape, dtype=self.cache_dtype, device=m.device).masked_fill_(~m, float("-inf"))
-                     for key, m in masks.items()}
-        args = self._native_layers(layers, linear) if native and not compiled else None
+            return {key: canonical.bias(m, g) for key, m in masks.items()}
+        # additive, once per pass: a boolean mask is converted inside every layer's attention call
+        return {key: torch.zeros(m.shape, dtype=self.cache_dtype, device=m.device).masked_fill_(~m, float("-inf"))
+                for key, m in masks.items()}
+
+    def forward_parts(self, parts: list["Part"], compiled: bool = False, capture: tuple[int, ...] | None = None,
+                      wide: bool = False, native: bool = False) -> list[tuple[torch.Tensor, list]]:
+        """One pass over the rows of one or several sequences (a batch), each Part over its own cache ->
+        per part (logits [its rows, V] float32, [(layer index, [T, hidden] features)] for `capture`).
+
+        Embedding, norms, projections, MLP and LM head run over all parts' rows at once; attention per
+        part. One part may take the native whole-stack call or the compiled step; several run the Python
+        step (core.layer_step_parts), whose operations per row are layer_step's. The other arguments as
+        in `forward`; wide and the dense copy look at all rows of the pass."""
+        sizes = [int(p.ids.shape[0]) for p in parts]
+        step = self.compiled_step() if compiled else self._step
+        layers, lm_head, linear = self.layers, self.lm_head, self.linear
+        if wide and not compiled and self._dense is not None and sum(sizes) >= self.wide_rows:
+            layers, lm_head, linear, step = self._dense
+        one = len(parts) == 1
+        if compiled:
+            if not one:
+                raise ValueError("compiled passes run one sequence at a time")
+            torch._dynamo.maybe_mark_dynamic(parts[0].mask, 1)  # "maybe": L may equal the whole allocation
+        ids = parts[0].ids if one else torch.cat([p.ids for p in parts])
+        pos = parts[0].pos if one else torch.cat([p.pos for p in parts])
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale).to(self.dtype)  # float32 scalar cast, as transformers does
+        tables = {key: rope_tables(pos, inv, scaling, self.dtype) for key, (inv, scaling) in self.ropes.items()}
+        masks = [self._masks(p) for p in parts]
+        bounds = [slice(a, a + n) for a, n in zip([0] + list(itertools.accumulate(sizes))[:-1], sizes)]
+        captured: list[list] = [[] for _ in parts]
+        p0 = parts[0]
+        args = self._native_layers(layers, linear) if native and not compiled and one else None
         if args is not None and not capture:  # the whole stack in one native call
-            keys, wins = sorted(tables), sorted(masks, key=str)
+            kv, slots, canon, m0 = p0.kv, p0.slots, p0.canon, masks[0]
+            keys, wins = sorted(tables), sorted(m0, key=str)
             common = (x, *zip(*args), kv, slots, [tables[k][0] for k in keys], [tables[k][1] for k in keys],
-                      [masks[w] for w in wins], [keys.index(k) for k in self.rope_keys],
+                      [m0[w] for w in wins], [keys.index(k) for k in self.rope_keys],
                       [wins.index(w) for w in self.windows])
             if canon is None:
                 x = native_ext.module().layers(*common, *self._native_shape())
@@ -250,18 +282,42 @@ class FastDecoder:
             layers = []
         for i, lw in enumerate(layers):
             cos, sin = tables[self.rope_keys[i]]
-            if args is None:
-                x = step(x, lw, kv[i], slots, cos, sin, masks[self.windows[i]], canon=canon)
+            win = self.windows[i]
+            if not one:
+                x = layer_step_parts(x, lw, [(b, p.kv[i], p.slots, m[win], p.canon) for b, p, m in zip(bounds, parts, masks)],
+                                     cos, sin, self.arch, linear)
+            elif args is None:
+                x = step(x, lw, p0.kv[i], p0.slots, cos, sin, masks[0][win], canon=p0.canon)
             else:
-                x = self._native_step(x, args[i], kv[i], slots, cos, sin, masks[self.windows[i]], canon)
+                x = self._native_step(x, args[i], p0.kv[i], p0.slots, cos, sin, masks[0][win], p0.canon)
             if capture and i + 1 in capture and i + 1 < len(self.layers):
-                captured.append((i + 1, x))
+                for got, b in zip(captured, bounds):
+                    got.append((i + 1, x[b]))
         if capture and len(self.layers) in capture:
-            captured.append((len(self.layers), rms_norm(x, self.final_norm, self.arch.eps, self.arch.gemma_norm)))
-        if rows is not None:
-            x = x[rows]
+            final = rms_norm(x, self.final_norm, self.arch.eps, self.arch.gemma_norm)
+            for got, b in zip(captured, bounds):
+                got.append((len(self.layers), final[b]))
+        picked = [x[b] if p.rows is None else x[b][p.rows] for b, p in zip(bounds, parts)]
+        x = picked[0] if one else torch.cat(picked)
         x = rms_norm(x, self.final_norm, self.arch.eps, self.arch.gemma_norm)
         logits = linear(x, lm_head).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        out = [logits] if one else list(logits.split([int(t.shape[0]) for t in picked]))
+        return list(zip(out, captured))
+
+
+class Part(NamedTuple):
+    """One sequence's rows in a pass (FastDecoder.forward_parts) and where they go: ids/pos/slots [T],
+    mask [T, L] over its own cache (causal or tree, before sliding windows), slot_pos [S] the position id
+    of each of its cache slots, kv its caches (new_cache), rows the rows whose logits are wanted (None:
+    all), canon its canonical.Canon plan (exact mode) or None."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    slot_pos: torch.Tensor
+    kv: list
+    rows: torch.Tensor | slice | None = None
+    canon: object = None
