@@ -6,12 +6,13 @@ The public API in one place:
     target = load_model("smollm2-135m", dtype="bfloat16")
     out = generate(target, "Summarise: ...", method="ngram", draft_length=6)
     print(out.text, out.stats.mean_accepted_length)
+    outs = generate_batch(target, chats=["Hi", "Name a fruit"], method="ngram")   # many prompts, shared forwards
 """
 
 from verispec.errors import VerispecError
 from verispec.types import SamplingParams
 
-__all__ = ["VerispecError", "SamplingParams", "load_model", "generate", "stream", "Engine"]
+__all__ = ["VerispecError", "SamplingParams", "load_model", "generate", "stream", "generate_batch", "Engine"]
 __version__ = "0.1.0"
 
 
@@ -20,7 +21,7 @@ def __getattr__(name):  # lazy: importing verispec must not import torch/transfo
         from verispec.models import load_model
 
         return load_model
-    if name in ("generate", "stream", "Engine"):
+    if name in ("generate", "stream", "generate_batch", "Engine"):
         from verispec import api
 
         return getattr(api, name)

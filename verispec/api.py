@@ -6,6 +6,7 @@ from typing import Iterator
 
 from verispec.drafters import make_drafter
 from verispec.engine import Engine, Generation, StepEvent
+from verispec.errors import InvalidParameter
 from verispec.options import check_speculation
 from verispec.tree import parse_tree
 from verispec.types import SamplingParams
@@ -109,3 +110,40 @@ def generate(target, prompt: str | None = None, **kwargs) -> Generation:
     params = _params(**kwargs)
     engine = build_engine(target, **opts)
     return engine.generate(target.encode(prompt=prompt, chat=chat), params)
+
+
+def generate_batch(target, prompts: list[str] | None = None, *, chats: list | None = None, max_batch: int = 8,
+                   positions: int | None = None, **kwargs) -> list[Generation]:
+    """Generate for many prompts (raw texts) or `chats` together: up to `max_batch` sequences share each
+    target forward (verispec/batch.py), a new one joining as soon as one finishes; results in prompt
+    order. positions: the verified positions a step spends across the batch (None: each sequence drafts
+    as alone; batch.free_positions picks one from a cost curve). Other options as in generate(); with a
+    seed, prompt i samples with seed + i. Greedy outputs are each prompt's generate() output (exact mode:
+    bit for bit)."""
+    from verispec.batch import Batch
+    from verispec.models import load_model
+
+    if isinstance(target, str):
+        target = load_model(target)
+    if (prompts is None) == (chats is None):
+        raise InvalidParameter("give prompts= or chats=, one of them")
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in ("method", "draft", "draft_length", "adaptive", "ngram_max", "ngram_min", "head") + TREE_OPTIONS + BACKEND_OPTIONS + SUFFIX_OPTIONS + LOOKAHEAD_OPTIONS}
+    seed = kwargs.pop("seed", None)
+    ids = [target.encode(prompt=p) for p in prompts] if prompts is not None else [target.encode(chat=c) for c in chats]
+    params = [_params(seed=None if seed is None else seed + i, **kwargs) for i in range(len(ids))]
+    batch = Batch(max_batch=max_batch, positions=positions)
+    free = [build_engine(target, **opts) for _ in range(min(max_batch, len(ids)))]  # an engine per slot, reused
+    runs, owner, todo = [None] * len(ids), {}, list(range(len(ids)))
+    while todo or batch.active:
+        while todo and free:
+            i = todo.pop(0)
+            engine = free.pop()
+            runs[i] = batch.add(engine, ids[i], params[i])
+            if runs[i].finished:
+                free.append(engine)
+            else:
+                owner[id(runs[i])] = engine
+        for run, _ in batch.step():
+            if run.finished:
+                free.append(owner.pop(id(run)))
+    return [run.result() for run in runs]
