@@ -254,5 +254,9 @@ def test_generate_batch_api_returns_each_prompts_generate_output():
     sampled = generate_batch(t, texts[:2], temperature=1.0, seed=7, max_new_tokens=6, max_batch=2, exact=True)
     assert [g.token_ids for g in sampled] == [generate(t, p, temperature=1.0, seed=7 + i, max_new_tokens=6,
                                                        exact=True).token_ids for i, p in enumerate(texts[:2])]
+    auto = generate_batch(t, texts[:3], method="ngram", max_new_tokens=12, max_batch=3, positions="auto")
+    assert [g.token_ids for g in auto] == want[:3]
     with pytest.raises(InvalidParameter, match="one of them"):
         generate_batch(t, texts, chats=[[{"role": "user", "content": "hi"}]])
+    with pytest.raises(InvalidParameter, match="positions"):
+        generate_batch(t, texts, positions="many")

@@ -113,11 +113,11 @@ def generate(target, prompt: str | None = None, **kwargs) -> Generation:
 
 
 def generate_batch(target, prompts: list[str] | None = None, *, chats: list | None = None, max_batch: int = 8,
-                   positions: int | None = None, **kwargs) -> list[Generation]:
+                   positions: int | str | None = None, **kwargs) -> list[Generation]:
     """Generate for many prompts (raw texts) or `chats` together: up to `max_batch` sequences share each
     target forward (verispec/batch.py), a new one joining as soon as one finishes; results in prompt
     order. positions: the verified positions a step spends across the batch (None: each sequence drafts
-    as alone; batch.free_positions picks one from a cost curve). Other options as in generate(); with a
+    as alone; "auto": batch.free_positions of the cost curve measured on the first runner). Other options as in generate(); with a
     seed, prompt i samples with seed + i. Greedy outputs are each prompt's generate() output (exact mode:
     bit for bit)."""
     from verispec.batch import Batch
@@ -131,8 +131,13 @@ def generate_batch(target, prompts: list[str] | None = None, *, chats: list | No
     seed = kwargs.pop("seed", None)
     ids = [target.encode(prompt=p) for p in prompts] if prompts is not None else [target.encode(chat=c) for c in chats]
     params = [_params(seed=None if seed is None else seed + i, **kwargs) for i in range(len(ids))]
-    batch = Batch(max_batch=max_batch, positions=positions)
     free = [build_engine(target, **opts) for _ in range(min(max_batch, len(ids)))]  # an engine per slot, reused
+    if positions == "auto":
+        from verispec.batch import free_positions
+        from verispec.tree import measure_verify_cost
+
+        positions = free_positions(measure_verify_cost(free[0].runner)) if free else None
+    batch = Batch(max_batch=max_batch, positions=positions)
     runs, owner, todo = [None] * len(ids), {}, list(range(len(ids)))
     while todo or batch.active:
         while todo and free:

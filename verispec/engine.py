@@ -13,6 +13,9 @@ acceptance.py pick the chain's fast rule. A proposal may carry auxiliary nodes (
 window): they join the same forward and mask, are never accepted, and their logits go back to the
 drafter in StepResult.aux_logits. The target is a backends.Runner; what a drafter can do (trees,
 target features) it declares (drafters/base.py).
+
+A generation in progress is a `Decoding`, whose step is cut where the forward goes (plan -> forward ->
+finish), so that Engine.stream runs one and batch.Batch runs many with one forward for all.
 """
 
 from __future__ import annotations
