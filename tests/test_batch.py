@@ -158,8 +158,20 @@ def test_the_positions_budget_shrinks_speculation_as_the_batch_grows():
         assert all(r.stats.drafted - d <= share for r, d in before)
     assert [r.result().token_ids for r in runs] == solo  # a budget changes speed, never tokens
     assert Batch(max_batch=2, positions=16).draft_share() is None  # empty batch
-    assert free_positions({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.3, 16: 2.0}) == 4
+    curve = {1: 1.0, 2: 1.05, 4: 1.2, 8: 1.3, 16: 2.0}
+    assert free_positions(curve) == 4
+    assert free_positions(curve, rows=4) == 8 and free_positions(curve, rows=16) == 16
     assert free_positions({1: 1.0, 2: 3.0}) == 1
+    assert free_positions({1: 1.0, 2: 0.5, 4: 1.3}) == 2  # a measured dip counts as the cost before it
+    # a cost curve instead of a fixed budget: the share follows the batch's size
+    priced = Batch(max_batch=8, cost=curve)
+    shares = []
+    for p, q in zip(prompts, params):
+        priced.add(build_engine(t, method="ngram", draft_length=6), p, q)
+        shares.append(priced.draft_share())
+    assert shares == [3, 3, 1, 1, 0, 0, 0, 0], shares  # 4 // 1 - 1, 8 // 2 - 1, 8 // 3 - 1, ..., 8 // 8 - 1
+    while priced.active:
+        priced.step()
 
 
 def test_sampled_sequences_in_a_batch_keep_the_exact_distribution():
@@ -204,7 +216,8 @@ def test_sampled_sequences_in_a_batch_keep_the_exact_distribution():
 
 def test_bad_batch_input_gets_one_clear_line():
     t = loaded(tiny_llama(vocab=48, seed=3))
-    for kwargs in (dict(max_batch=0), dict(max_batch=2.5), dict(positions=0)):
+    for kwargs in (dict(max_batch=0), dict(max_batch=2.5), dict(positions=0), dict(positions=4, cost={1: 1.0}),
+                   dict(cost={2: 1.0})):
         with pytest.raises(InvalidParameter):
             Batch(**kwargs)
     with pytest.raises(InvalidParameter, match="cost of one"):

@@ -117,7 +117,8 @@ def generate_batch(target, prompts: list[str] | None = None, *, chats: list | No
     """Generate for many prompts (raw texts) or `chats` together: up to `max_batch` sequences share each
     target forward (verispec/batch.py), a new one joining as soon as one finishes; results in prompt
     order. positions: the verified positions a step spends across the batch (None: each sequence drafts
-    as alone; "auto": batch.free_positions of the cost curve measured on the first runner). Other options as in generate(); with a
+    as alone; "auto": chosen each step from the cost curve measured once on the first runner,
+    batch.free_positions). Other options as in generate(); with a
     seed, prompt i samples with seed + i. Greedy outputs are each prompt's generate() output (exact mode:
     bit for bit)."""
     from verispec.batch import Batch
@@ -132,12 +133,12 @@ def generate_batch(target, prompts: list[str] | None = None, *, chats: list | No
     ids = [target.encode(prompt=p) for p in prompts] if prompts is not None else [target.encode(chat=c) for c in chats]
     params = [_params(seed=None if seed is None else seed + i, **kwargs) for i in range(len(ids))]
     free = [build_engine(target, **opts) for _ in range(min(max_batch, len(ids)))]  # an engine per slot, reused
+    cost = None
     if positions == "auto":
-        from verispec.batch import free_positions
         from verispec.tree import measure_verify_cost
 
-        positions = free_positions(measure_verify_cost(free[0].runner)) if free else None
-    batch = Batch(max_batch=max_batch, positions=positions)
+        positions, cost = None, measure_verify_cost(free[0].runner) if free else None
+    batch = Batch(max_batch=max_batch, positions=positions, cost=cost)
     runs, owner, todo = [None] * len(ids), {}, list(range(len(ids)))
     while todo or batch.active:
         while todo and free:

@@ -1,6 +1,6 @@
 """Many generations advanced together, one target forward per step for all of them (continuous batching).
 
-    batch = Batch(max_batch=8, positions=16)
+    batch = Batch(max_batch=8, cost=measure_verify_cost(runner))   # or positions=16: a fixed budget
     run = batch.add(engine, prompt_ids, params)    # prefilled now; one Engine per sequence (its runner's
                                                    # KV cache, its drafter), engines of one model share weights
     while batch.active:
@@ -17,10 +17,11 @@ server admits a request without waiting for the batch to drain.
 
 Speculation and batching share a step's positions: at batch size 1 a forward over a few positions
 costs about one position's time (the weights are read once), so drafts are nearly free; a batch
-spends those positions on other users' tokens. `positions` is the step's budget of verified
-positions across the batch; each sequence drafts at most `positions // B - 1` tokens (0: it decodes
-plainly). `free_positions` picks it from the runner's measured cost curve: the most positions one
-forward scores within `slack` of the cost of one.
+spends those positions on other users' tokens. A step's budget of verified positions N across the
+batch gives each of B sequences at most `N // B - 1` drafted tokens (0: it decodes plainly). N is
+fixed (`positions`) or chosen each step from the runner's measured cost curve (`cost`):
+`free_positions(cost, rows=B)`, the most positions one forward scores within `slack` of the cost of
+the B positions the batch pays for anyway, so drafts stay while they add little to the step.
 
 Exact mode is batch-invariant: a sequence's rows get the same operations as alone (its padding rows
 included), attention reads only its own cache, and the shared GEMMs give a row the same bits at any
@@ -30,33 +31,45 @@ bit-identical whatever shares its batch and whenever it joined.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from verispec.backends import forward_many
 from verispec.engine import Decoding, Engine
 from verispec.errors import InvalidParameter
 from verispec.output import StepEvent
+from verispec.theory import CostCurve
 from verispec.types import SamplingParams
 
 
-def free_positions(cost: dict[int, float], slack: float = 1.25) -> int:
-    """The most positions one forward scores within `slack` x the cost of one position (a measured cost
-    curve, tree.measure_verify_cost: positions -> seconds); at least 1."""
+def free_positions(cost: dict[int, float], rows: int = 1, slack: float = 1.25) -> int:
+    """The most positions one forward scores within `slack` x the cost of `rows` positions, the forward a
+    batch of `rows` sequences pays anyway when each decodes plainly; at least `rows`. cost: a measured cost
+    curve (tree.measure_verify_cost: positions -> seconds), taken as never falling with more positions
+    (a measured dip is noise), and between measured sizes as theory.CostCurve interpolates it."""
     if 1 not in cost:
         raise InvalidParameter("the cost curve needs the cost of one position")
-    return max([n for n, t in cost.items() if t <= slack * cost[1]] + [1])
+    ns = sorted(cost)
+    times = list(itertools.accumulate((cost[n] for n in ns), max))
+    limit = slack * CostCurve(ns, times).seconds(rows)
+    return max([n for n, t in zip(ns, times) if t <= limit] + [rows])
 
 
 class Batch:
-    """The sequences that step together; at most `max_batch` at once and `positions` verified positions a
-    step (None: each sequence drafts as it would alone)."""
+    """The sequences that step together: at most `max_batch` at once, and a step's verified positions
+    across them either fixed (`positions`) or chosen each step from a measured cost curve (`cost`:
+    free_positions at the batch's size); neither: each sequence drafts as it would alone."""
 
-    def __init__(self, max_batch: int = 8, positions: int | None = None):
+    def __init__(self, max_batch: int = 8, positions: int | None = None, cost: dict[int, float] | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidParameter(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if positions is not None and (not isinstance(positions, int) or positions < 1):
             raise InvalidParameter(f"positions must be an integer >= 1 or None, got {positions!r}")
-        self.max_batch, self.positions = max_batch, positions
+        if positions is not None and cost is not None:
+            raise InvalidParameter("give a fixed positions budget or a cost curve, not both")
+        if cost is not None:
+            free_positions(cost)  # checks the curve now, not mid-run
+        self.max_batch, self.positions, self.cost = max_batch, positions, cost
         self.active: list[Decoding] = []
         self._stops: dict[int, Callable[[], bool] | None] = {}
 
@@ -64,11 +77,18 @@ class Batch:
     def full(self) -> bool:
         return len(self.active) >= self.max_batch
 
+    def step_positions(self) -> int | None:
+        """This step's budget of verified positions across the batch (None: no cap)."""
+        if self.cost is not None and self.active:
+            return free_positions(self.cost, rows=len(self.active))
+        return self.positions
+
     def draft_share(self) -> int | None:
         """The most tokens each sequence drafts this step (None: no cap)."""
-        if self.positions is None or not self.active:
+        budget = self.step_positions()
+        if budget is None or not self.active:
             return None
-        return max(0, self.positions // len(self.active) - 1)
+        return max(0, budget // len(self.active) - 1)
 
     def add(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
             should_stop: Callable[[], bool] | None = None) -> Decoding:
