@@ -168,6 +168,9 @@ def test_cli_batch_bench(saved_tiny, tmp_path, monkeypatch):  # noqa: F811 - the
         ("ar", 1), ("ar", 2), ("ar", 4), ("ngram[positions=6]", 2), ("ngram[positions=6]", 4)]
     assert "| ngram[positions=6] | 4 | 6 |" in r.output and "plain, unbatched" in r.output
     assert out.with_suffix(".md").exists() and (tmp_path / "batch_batch.png").read_bytes()[:8] == PNG
+    r = cli.invoke(app, ["report", str(out)])  # `verispec report` renders a batched result too
+    assert r.exit_code == 0, r.output
+    assert "## Batched: batch" in r.output and "| ngram[positions=6] | 2 | 6 |" in r.output
 
     real = batched.run_continuous
 
