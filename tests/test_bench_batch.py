@@ -71,6 +71,8 @@ def test_result_fields(result, tmp_path):
     assert entry(res, "ngram[positions=auto]", 4)["positions"] == budget
     assert entry(res, "ngram[positions=auto]", 4)["summary"]["draft_cap"] == max(0, budget // 4 - 1)
     assert res["mismatches"] == []
+    # slot i of every contender shares one runner (one KV cache per slot), each engine has its own drafter
+    assert res["memory"] == {"max_rss_mib": res["memory"]["max_rss_mib"], "engines": 12, "runners": 4}
     files = batched.write_batch_bench(res, tmp_path / "b.json")
     data = json.loads(files["json"].read_text())
     assert data["command"] and data["entries"][0]["sequences"][0]["token_ids"]
@@ -101,6 +103,16 @@ def test_continuous_admission(result):
         if b == 1:  # one at a time
             order = sorted(seqs, key=lambda s: s["admitted_s"])
             assert all(a["finished_s"] <= n["admitted_s"] for a, n in zip(order, order[1:]))
+
+
+def test_trees_in_a_batch(chat_model):
+    """A dynamic tree's budget comes from one cost curve measured before the timed runs, set on every
+    engine; tree outputs in a batch equal plain batch-1 decoding too."""
+    res = batched.run_batch_bench(chat_model, ["ngram:tree=dynamic,label=tree", "ngram:tree=static:small,label=static"],
+                                  three_questions(), batch_sizes=[1, 3], max_new_tokens=10, progress=False)
+    assert res["mismatches"] == [] and res["cost_curve"]["ns"][0] == 1
+    assert [e["summary"]["matches_plain"] for e in res["entries"]] == [3] * 6
+    assert entry(res, "tree", 3)["summary"]["positions_per_step"] > entry(res, "ar", 3)["summary"]["positions_per_step"]
 
 
 def test_planted_mismatch_is_detected(chat_model, monkeypatch):

@@ -101,6 +101,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def _max_rss_mib() -> float | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
 def _load() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -108,19 +117,36 @@ def _load() -> float | None:
         return None
 
 
+RUNNER_OPTIONS = ("backend", "exact", "compile", "weights")  # the method options that choose the runner
+
+
+def runner_key(spec: MethodSpec) -> tuple:
+    """Contenders with equal keys can take turns on the same runners (one is timed at a time)."""
+    return tuple((k, spec.options.get(k)) for k in RUNNER_OPTIONS)
+
+
 @dataclass
 class Contender:
-    """One method at one positions setting, with its pool of engines (one per sequence slot; engines of
-    one model share the fast weights, each holds its own KV cache and drafter)."""
+    """One method at one positions setting, with its pool of engines: one per sequence slot, each with its
+    own drafter. Slot i of every contender with the same runner_key shares one runner (its KV cache: a
+    generation resets it), so a bench holds B runners per runner kind, not B per contender."""
 
     spec: MethodSpec
     setting: str | int | None  # as asked: None, "auto" or a count
     label: str
     engines: list = field(default_factory=list)
 
-    def pool(self, target, n: int, draft=None) -> list:
+    def pool(self, target, n: int, draft=None, runners: list | None = None) -> list:
+        runners = [] if runners is None else runners
         while len(self.engines) < n:
-            self.engines.append(VerispecContender(target, self.spec, draft=draft).engine)
+            i = len(self.engines)
+            spec = self.spec
+            if i < len(runners):
+                spec = MethodSpec(spec.method, spec.draft_length, {**spec.options, "runner": runners[i]}, label=spec.label)
+            engine = VerispecContender(target, spec, draft=draft).engine
+            if i >= len(runners):
+                runners.append(engine.runner)
+            self.engines.append(engine)
         return self.engines[:n]
 
 
@@ -152,10 +178,11 @@ def _record(q: Question, qi: int, ti: int, prompt_ids: list[int], token_ids: lis
             "token_ids": list(token_ids), "stats": stats}
 
 
-def run_reference(target, questions: list[Question], chat: bool, max_new_tokens: int) -> dict:
+def run_reference(target, questions: list[Question], chat: bool, max_new_tokens: int, runner=None) -> dict:
     """Plain decoding through Engine.generate, one prompt at a time, turn by turn: the outputs every
-    batched run must reproduce."""
-    plain = VerispecContender(target, MethodSpec("ar", label=REFERENCE))
+    batched run must reproduce. runner: one to reuse (None: a new one)."""
+    plain = VerispecContender(target, MethodSpec("ar", options={"runner": runner} if runner is not None else {},
+                                                 label=REFERENCE))
     seqs, clock = [], 0.0
     for qi, q in enumerate(questions):
         conv = Conversation(target, chat)
@@ -322,15 +349,21 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
     if not runnable:
         raise InvalidParameter("no question fits the model's context window with these settings")
 
+    from verispec.tree import DynamicTree, measure_verify_cost
+
     top = max(sizes)
+    runners: dict[tuple, list] = {}
     for c in contenders:  # every engine built (and its drafter checked) before anything is timed
-        c.pool(target, top, draft)
+        c.pool(target, top, draft, runners.setdefault(runner_key(c.spec), []))
     cost, resolved = None, {}
     if AUTO in settings:
-        from verispec.tree import measure_verify_cost
-
         cost = measure_verify_cost(contenders[0].engines[0].runner)
         resolved[AUTO] = free_positions(cost)
+    for c in contenders:  # a dynamic tree sizes itself from the cost curve: measured once here, not per engine in a timed run
+        for e in c.engines:
+            if isinstance(e.tree, DynamicTree) and e.tree.budget is None and e.verify_cost is None:
+                cost = cost or measure_verify_cost(contenders[0].engines[0].runner)
+                e.verify_cost = cost
     for st in settings:
         if isinstance(st, int):
             resolved[st] = st
@@ -354,7 +387,7 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
     bar = tqdm(total=len(plan) + 1, disable=not progress, unit="run", desc="bench --batch-size", file=sys.stderr)
     bar.set_postfix_str("plain reference")
     load0 = _load()
-    reference = run_reference(target, runnable, chat, max_new_tokens)
+    reference = run_reference(target, runnable, chat, max_new_tokens, runner=contenders[0].engines[0].runner)
     reference["load_average"] = [load0, _load()]
     bar.update(1)
     entries = []
@@ -390,6 +423,8 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
         "entries": entries,
     }
     result["environment"]["load_average_1_5_15"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    result["memory"] = {"max_rss_mib": _max_rss_mib(), "engines": sum(len(c.engines) for c in contenders),
+                        "runners": sum(len(r) for r in runners.values())}
     if cost is not None:
         result["cost_curve"] = {"ns": list(cost), "times_s": list(cost.values())}
     result["mismatches"] = find_batch_mismatches(reference, entries)
