@@ -45,7 +45,7 @@ def load_result(path: str | Path) -> dict:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise InvalidParameter(f"{path} is not a JSON file ({exc.msg})") from exc
-    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith(("verispec-bench/", "verispec-roofline/")):
+    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith(("verispec-bench/", "verispec-bench-batch/", "verispec-roofline/")):
         raise InvalidParameter(f"{path} is not a verispec bench or roofline result")
     return data
 
@@ -231,11 +231,19 @@ def compare(paths: list[str | Path], out_dir: str | Path | None = None) -> tuple
     """Markdown comparing several bench results (and roofline results), plus plots when out_dir is given."""
     if not paths:
         raise InvalidParameter("give at least one result file")
-    benches, roofs = [], []
+    benches, roofs, batches = [], [], []
     for p in paths:
         data = load_result(p)
-        (benches if data["schema"].startswith("verispec-bench/") else roofs).append((Path(p), data))
+        schema = data["schema"]
+        (benches if schema.startswith("verispec-bench/") else batches if schema.startswith("verispec-bench-batch/")
+         else roofs).append((Path(p), data))
     lines = ["# verispec results side by side", ""]
+    if batches:
+        from verispec.bench.batched import mismatch_lines as batch_mismatches, table as batch_table
+
+        for p, d in batches:
+            lines += [f"## Batched: {_run_name(p, d)}", "", batch_table(d), ""]
+            lines += [f"**{p.name}: {m}**" for m in batch_mismatches(d)]
     if benches:
         lines += ["## Bench (overall)", "",
                   "| run | model | method | questions | tok/s | speedup | tau | alpha | = plain | mismatches |",

@@ -138,8 +138,11 @@ def bench(
     output: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON file (default results/bench-MODEL-DTYPE.json); .md and PNGs go next to it."),
     plots: bool = typer.Option(True, "--plots/--no-plots"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    batch_size: list[str] = typer.Option([], "--batch-size", "-B", help="Run the prompts through a batch of this many sequences with continuous admission (repeatable or comma list; 'sweep' = 1,2,4,8,16), instead of one at a time; every greedy output is checked against plain batch-1 decoding."),
+    batch_positions: list[str] = typer.Option([], "--batch-positions", help="With --batch-size: the step's budget of verified positions across the batch, auto (from the measured cost curve), N or none (default); repeatable: each drafting method runs with each."),
 ):
-    """Spec-Bench style benchmark: methods and baselines on the same prompts, speedups measured in the same run."""
+    """Spec-Bench style benchmark: methods and baselines on the same prompts, speedups measured in the same run.
+    With --batch-size: throughput and per-sequence latency of batched (continuous) decoding at each size."""
     from verispec.bench import prompts as pr
     from verispec.bench.baselines import BASELINES, OPENAI, parse_method, split_baselines
     from verispec.bench.harness import run_bench
@@ -162,12 +165,28 @@ def bench(
         unknown = [n for n in names if n not in BASELINES and not n.startswith(OPENAI)]
         if unknown:
             fail(f"unknown baseline {', '.join(unknown)}; use {', '.join(BASELINES)}, auto or none")
+    if batch_positions and not batch_size:
+        fail("--batch-positions needs --batch-size")
+    sizes = settings = None
+    if batch_size:
+        from verispec.bench.batched import DEFAULT_BATCH_SIZES, parse_batch_sizes, parse_positions
+
+        sizes = parse_batch_sizes([",".join(map(str, DEFAULT_BATCH_SIZES)) if v.strip().lower() == "sweep" else v
+                                   for v in _csv(batch_size)])
+        settings = [parse_positions(p) for p in _csv(batch_positions)] or [None]
+        if baselines not in ("auto", "none"):
+            fail("--baselines run one prompt at a time; they do not take --batch-size (use --baselines none)")
     questions = pr.load_prompts(prompts)
     if group_tasks:
         questions = pr.group_tasks(questions)
     questions = pr.sample(questions, per_category or None, seed=seed, only=_csv(categories) or None)
     target = load_model(model, dtype=dtype, device=device, weights=weights)
     draft_model = load_model(draft, dtype=target.dtype, device=target.device) if draft else None
+    if sizes is not None:
+        _bench_batched(target, specs, questions, draft_model, sizes, settings, max_new_tokens=max_new_tokens,
+                       draft_length=draft_length, warmup=warmup, prompt_mode=prompt_mode, progress=progress,
+                       threads=threads, prompt_set=prompts, model=model, output=output, plots=plots)
+        return
     result = run_bench(target, specs, questions, draft=draft_model, baselines=names, max_new_tokens=max_new_tokens,
                        draft_length=draft_length, warmup=warmup, prompt_mode=prompt_mode, roofline=roofline_file,
                        progress=progress, threads=threads, prompt_set=prompts)
@@ -183,6 +202,22 @@ def bench(
         err.print(escape(line), style="bold red")
     if any(m["kind"] == "verispec" for m in result["mismatches"]):
         fail("a lossless method's greedy output differs from plain decoding (see above)", code=1)
+
+
+def _bench_batched(target, specs, questions, draft_model, sizes, settings, *, model, output, plots, **kwargs):
+    from verispec.bench.batched import markdown, mismatch_lines, run_batch_bench, table, write_batch_bench
+
+    result = run_batch_bench(target, specs, questions, batch_sizes=sizes, positions=settings, draft=draft_model, **kwargs)
+    path = output or Path("results") / f"bench-batch-{_slug(model)}-{result['config']['dtype']}.json"
+    files = write_batch_bench(result, path, plots=plots)
+    md = markdown(result)
+    out.print(md[md.index("- plain, unbatched"):md.index("- speedup:")].strip(), markup=False)
+    out.print(table(result), markup=False)  # labels hold [..]
+    out.print("wrote " + ", ".join(str(p) for p in files.values()))
+    for line in mismatch_lines(result):
+        err.print(escape(line), style="bold red")
+    if result["mismatches"]:
+        fail("a batched greedy output differs from plain batch-1 decoding (see above)", code=1)
 
 
 @friendly
