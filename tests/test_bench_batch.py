@@ -11,6 +11,7 @@ import pytest
 
 from test_bench_harness import PNG, byte_tokenizer, saved_tiny  # noqa: F401 - saved_tiny is a fixture
 from conftest import tiny_llama
+from verispec.batch import free_positions
 from verispec.bench import batched, prompts
 from verispec.errors import InvalidParameter
 
@@ -67,9 +68,13 @@ def test_result_fields(result, tmp_path):
     assert entry(res, "ar", 1)["summary"]["speedup"] == pytest.approx(1.0)
     assert entry(res, "ar", 2)["summary"]["mean_accepted_length"] == 1.0
     assert entry(res, "ngram", 1)["summary"]["positions_per_step"] > 1.0
-    budget = res["config"]["positions_resolved"]
-    assert entry(res, "ngram[positions=auto]", 4)["positions"] == budget
-    assert entry(res, "ngram[positions=auto]", 4)["summary"]["draft_cap"] == max(0, budget // 4 - 1)
+    # auto: the budget follows the batch's size (batch.free_positions at B rows), reported at each B
+    curve = dict(zip(res["cost_curve"]["ns"], res["cost_curve"]["times_s"]))
+    assert res["config"]["positions_resolved"] == free_positions(curve)
+    for b in (1, 2, 4):
+        budget = free_positions(curve, rows=b)
+        assert entry(res, "ngram[positions=auto]", b)["positions"] == budget >= b
+        assert entry(res, "ngram[positions=auto]", b)["summary"]["draft_cap"] == max(0, budget // b - 1)
     assert res["mismatches"] == []
     # slot i of every contender shares one runner (one KV cache per slot), each engine has its own drafter
     assert res["memory"] == {"max_rss_mib": res["memory"]["max_rss_mib"], "engines": 12, "runners": 4}
@@ -118,8 +123,8 @@ def test_trees_in_a_batch(chat_model):
 def test_planted_mismatch_is_detected(chat_model, monkeypatch):
     real = batched.run_continuous
 
-    def broken(target, engines, questions, chat, batch_size, positions, max_new_tokens):
-        run = real(target, engines, questions, chat, batch_size, positions, max_new_tokens)
+    def broken(target, engines, questions, chat, batch_size, positions, max_new_tokens, cost=None):
+        run = real(target, engines, questions, chat, batch_size, positions, max_new_tokens, cost=cost)
         if batch_size == 2:  # a planted bug: token 3 of the second question's answer changes at B=2
             s = next(s for s in run["sequences"] if s["question_index"] == 1)
             s["token_ids"][3] = (s["token_ids"][3] + 1) % 256
@@ -186,8 +191,8 @@ def test_cli_batch_bench(saved_tiny, tmp_path, monkeypatch):  # noqa: F811 - the
 
     real = batched.run_continuous
 
-    def broken(*args):
-        run = real(*args)
+    def broken(*args, **kwargs):
+        run = real(*args, **kwargs)
         run["sequences"][0]["token_ids"][0] += 1
         return run
 

@@ -15,8 +15,9 @@ How it runs:
 - plain decoding ("ar") always runs, and batch size 1 always runs for it: "ar" at B=1 is the reference
   for speedups (aggregate tokens/s of the same prompts, measured in the same run);
 - the positions budget (`positions`): the most verified positions one step spends across the batch;
-  each sequence drafts at most positions // B - 1 tokens ("auto": batch.free_positions of the cost
-  curve measured on the target once, before the timed runs). Plain decoding drafts nothing, so it runs
+  each sequence drafts at most positions // B - 1 tokens ("auto": each step batch.free_positions of
+  the cost curve measured on the target once, before the timed runs, at the batch's current size; the
+  row reports its value at B). Plain decoding drafts nothing, so it runs
   once, without one.
 
 Figures per (method, B): aggregate tokens/s (all new tokens over the wall time from the first admission
@@ -200,14 +201,15 @@ def run_reference(target, questions: list[Question], chat: bool, max_new_tokens:
 
 
 def run_continuous(target, engines: list, questions: list[Question], chat: bool, batch_size: int,
-                   positions: int | None, max_new_tokens: int) -> dict:
+                   positions: int | None, max_new_tokens: int, cost: dict | None = None) -> dict:
     """Every question through one Batch of size `batch_size` with continuous admission (see the module
-    docstring) -> the sequences' records and the run's wall time, shared forwards and occupancy."""
+    docstring) -> the sequences' records and the run's wall time, shared forwards and occupancy.
+    positions: a fixed budget; cost: a cost curve the batch picks each step's budget from (auto)."""
     from verispec.batch import Batch
     from verispec.types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    batch = Batch(max_batch=batch_size, positions=positions)
+    batch = Batch(max_batch=batch_size, positions=positions, cost=cost)
     queue = deque((qi, 0) for qi in range(len(questions)))
     convs = {qi: Conversation(target, chat) for qi in range(len(questions))}
     free = list(engines[:batch_size])
@@ -367,12 +369,14 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
     for st in settings:
         if isinstance(st, int):
             resolved[st] = st
+    fixed = lambda st: None if st == AUTO else resolved.get(st)  # noqa: E731
+    priced = lambda st: cost if st == AUTO else None  # noqa: E731 - auto: the budget follows the batch's size
 
     warm = runnable[:min(top, 4)]
     for c in contenders:  # untimed: a short batched run over a few prompts warms kernels and drafters
         for _ in range(warmup):
             run_continuous(target, c.engines, [Question(q.question_id, q.category, q.turns[:1]) for q in warm], chat,
-                           min(top, len(warm)), resolved.get(c.setting), min(max_new_tokens, 8))
+                           min(top, len(warm)), fixed(c.setting), min(max_new_tokens, 8), cost=priced(c.setting))
     for c in contenders:  # the warm-up answered measured questions: no drafter may remember them
         for e in c.engines:
             forget = getattr(e.drafter, "forget", None)
@@ -394,9 +398,10 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
     for b, c in plan:
         bar.set_postfix_str(f"{c.label} B={b}")
         load0 = _load()
-        run = run_continuous(target, c.engines, runnable, chat, b, resolved.get(c.setting), max_new_tokens)
+        run = run_continuous(target, c.engines, runnable, chat, b, fixed(c.setting), max_new_tokens, cost=priced(c.setting))
+        budget = free_positions(cost, rows=b) if c.setting == AUTO else resolved.get(c.setting)
         entry = {"label": c.label, "method": c.spec.method, "batch_size": b,
-                 "positions_setting": c.setting, "positions": resolved.get(c.setting),
+                 "positions_setting": c.setting, "positions": budget,
                  "load_average": [load0, _load()], **run}
         entry["summary"] = summarize_run(run)
         entry["summary"]["draft_cap"] = (max(0, entry["positions"] // b - 1) if entry["positions"] else None)
@@ -473,7 +478,7 @@ def markdown(result: dict) -> str:
            f"per turn, draft length {cfg['draft_length']}, continuous admission (all prompts queued at the start)",
            f"- machine: {hw}, {env.get('torch_threads')} torch threads, {env.get('cpu_count')} CPUs; torch {env['torch']}, "
            f"verispec {env.get('verispec')} ({env.get('git_commit')}), {env['time_utc']}",
-           f"- positions budget auto = {cfg['positions_resolved']} (batch.free_positions of the measured cost curve)"
+           f"- positions budget auto = {cfg['positions_resolved']} at B=1, chosen each step at the batch's size (batch.free_positions of the measured cost curve)"
            if cfg.get("positions_resolved") else "- positions budget: none unless the row says",
            f"- plain, unbatched (Engine.generate, one prompt at a time): {ref['tokens_per_second']:.1f} tok/s",
            "- speedup: aggregate tokens/s over ar at B=1 in the same run; latency: admission (prefill included) "
