@@ -43,7 +43,7 @@ def serve(
     batch_positions: str = typer.Option("auto", "--batch-positions",
                                         help="Verified positions per batch step across its sequences, so speculation "
                                              "shrinks as the batch grows: 'auto' (the most one forward scores for about "
-                                             "the cost of one, measured at the first request), a number, or 'none'."),
+                                             "the cost of one, measured as the server starts), a number, or 'none'."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice; 1 helps "
                                                                  "on a machine whose cores are busy with other work)."),
     allowed_host: list[str] = typer.Option([], "--allowed-host",

@@ -108,8 +108,8 @@ class Scheduler:
     generations, with at most `max_queue` jobs waiting beyond the free places.
 
     positions: the per-step budget of verified positions across a batch (Batch's `positions`): an int,
-    None (no budget), or a callable returning one, asked once, in the first engine thread that needs
-    it (the server measures its cost curve there, off the event loop).
+    None (no budget), or a callable returning one, asked once in the first engine thread as it starts
+    (the server measures its cost curve there, off the event loop, before a request waits for it).
     """
 
     def __init__(self, max_queue: int = 16, workers: int = 1, metrics=None, max_batch: int = 1,
@@ -185,6 +185,12 @@ class Scheduler:
 
     # --- the engine thread ------------------------------------------------------------------
     def _loop(self, index: int) -> None:
+        if index == 0 and not self._positions_known:
+            # measure the positions budget now, while no request waits for it
+            try:
+                self.positions()
+            except Exception:
+                log.exception("measuring the batch's positions budget failed; it is tried again at the first request")
         batch = None
         members: dict[int, tuple[Job, Member]] = {}   # id(Decoding) -> its job
         while True:
