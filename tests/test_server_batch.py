@@ -37,6 +37,8 @@ def _factory(target, **options):
 
     def held(*args, **kwargs):  # asked once per verification step, drafting or not
         GATE.wait(30)
+        if options.get("draft_length") == 7:  # lets a test break a batch step (a valid value)
+            raise RuntimeError("secret drafter failure /etc/passwd")
         STEPS["n"] += 1
         if DELAY["s"]:
             time.sleep(DELAY["s"])
@@ -254,6 +256,27 @@ def test_race_runs_between_batch_steps(server, target):
             ids[e["lane"]].extend(e["token_ids"])
     assert events[0]["lanes"] == ["ar", "ngram"] and ids[0] == ids[1] and len(ids[0]) == 8
     assert out[0].json()["choices"][0]["message"]["content"] == _reference(target, _chat("the cat sat on the mat"), 20)
+
+
+def test_a_failing_step_ends_its_batch_with_errors_and_the_server_goes_on(server, target):
+    GATE.clear()
+    fine = {"messages": _chat("the cat sat"), "max_tokens": 6}
+    threads, out = _in_parallel([lambda: _post(server, fine)])
+    _held_until_queued(server, 0)
+    more, out_more = _in_parallel([lambda: _post(server, {**fine, "verispec": {"draft_length": 7}})])
+    _held_until_queued(server, 1)
+    GATE.set()
+    for t in threads + more:
+        t.join()
+    broken = out_more[0]
+    assert broken.status_code == 500 and broken.json()["error"]["code"] == "internal_error"
+    assert "secret" not in broken.text and "passwd" not in broken.text
+    # the first request shared the failing step: it either finished before or ended with the same error
+    assert out[0].status_code in (200, 500)
+    _wait(lambda: metric(server, "verispec_running") == 0)
+    after = _post(server, fine)
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["message"]["content"] == _reference(target, _chat("the cat sat"), 6)
 
 
 def test_queue_counts_the_batch_places_and_metrics_show_the_batch(target):
