@@ -179,7 +179,6 @@ def test_a_request_joins_mid_generation_and_finishes_first(server, target):
         order.append("short")
         assert short.status_code == 200
         assert short.json()["choices"][0]["message"]["content"] == _reference(target, _chat("the dog ran"), 4)
-        text = []
         for line in lines:
             if line == "data: [DONE]":
                 order.append("long")

@@ -231,7 +231,7 @@ class Scheduler:
         except Exception as exc:  # the positions budget could not be measured: nothing can run
             log.exception("the batch could not be set up")
             for job in admit:
-                self._end(job, lambda job=job: job.emit("error", exc))
+                self._end(job, lambda job=job, exc=exc: job.emit("error", exc))
             return None
 
     def _size(self, index: int, n: int) -> None:
@@ -275,7 +275,7 @@ class Scheduler:
             if not getattr(exc, "expected", False):  # a bad request is not worth a traceback in the log
                 log.exception("generation failed")
 
-            def report():
+            def report(exc=exc):
                 if member is not None:
                     member.abort(job)
                 job.emit("error", exc)
@@ -295,7 +295,7 @@ class Scheduler:
             # apart, so each ends with the error and a fresh batch goes on with the next jobs
             log.exception("a batch step failed")
             for job, member in list(members.values()):
-                self._end(job, lambda job=job, member=member: (member.abort(job), job.emit("error", exc)))
+                self._end(job, lambda job=job, member=member, exc=exc: (member.abort(job), job.emit("error", exc)))
             members.clear()
             return None
         if self.metrics is not None:

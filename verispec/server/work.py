@@ -28,7 +28,8 @@ class RunnerPool:
     building one per request would cost time and, with requests queued, memory per request. Engines
     themselves are cheap and built per job around a runner taken from here. At most `keep` idle
     runners are kept in all (a batch needs one per sequence at the same time, a race one per lane; the
-    least recently used goes first). The verification cost curve an engine measured (tree budget "auto") is kept as well.
+    least recently used goes first). The verification cost curve an engine measured (tree budget
+    "auto") is kept as well.
     """
 
     def __init__(self, factory: Callable[..., Any], keep: int = 2):
