@@ -2,7 +2,8 @@
 word-level model; every error path; client disconnect; queue and timeout; metrics; the race endpoint.
 
 The engine factory is wrapped so a test can slow every step down (DELAY) and count the steps the
-engine really ran (STEPS), which is how cancellation is checked without timing assertions.
+engine really ran (STEPS), which is how cancellation is checked without timing assertions. This
+module's server runs one generation at a time (max_batch 1); test_server_batch.py batches.
 """
 
 from __future__ import annotations
@@ -26,41 +27,25 @@ DELAY = {"s": 0.0}
 STEPS = {"n": 0}
 
 
-class _SlowEngine:
-    """Wraps an Engine: sleeps DELAY before each step is handed out and counts the steps run."""
+def _slowed(engine):
+    """The engine, with DELAY slept and STEPS counted in each step's planning (Engine.propose is asked
+    once per verification step, drafting or not), whichever way the server drives it."""
+    propose = engine.propose
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.method = engine.method
+    def counted(*args, **kwargs):
+        STEPS["n"] += 1
+        if DELAY["s"]:
+            time.sleep(DELAY["s"])
+        return propose(*args, **kwargs)
 
-    @property
-    def last(self):
-        return self.engine.last
-
-    @property
-    def runner(self):
-        return self.engine.runner
-
-    @property
-    def verify_cost(self):
-        return self.engine.verify_cost
-
-    def stream(self, ids, params, **kw):
-        inner = self.engine.stream(ids, params, **kw)
-        try:
-            for event in inner:
-                STEPS["n"] += 1
-                if DELAY["s"]:
-                    time.sleep(DELAY["s"])
-                yield event
-        finally:
-            inner.close()
+    engine.propose = counted
+    return engine
 
 
 def _factory(target, **options):
     if options.get("ngram_max") == 31:  # lets a test provoke an unexpected internal error (a valid value)
         raise RuntimeError("secret internal detail /etc/passwd")
-    return _SlowEngine(build_engine(target, **options))
+    return _slowed(build_engine(target, **options))
 
 
 @pytest.fixture(scope="module")

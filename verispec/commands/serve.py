@@ -37,7 +37,13 @@ def serve(
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted."),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the engine; more get 429."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds a request may take, queue wait included."),
-    workers: int = typer.Option(1, "--workers", help="Generations run at once (engine threads sharing the model)."),
+    workers: int = typer.Option(1, "--workers", help="Engine threads sharing the model, each running its own batch."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Generations an engine thread steps together (continuous "
+                                                         "batching: requests join and leave between steps); 1: one at a time."),
+    batch_positions: str = typer.Option("auto", "--batch-positions",
+                                        help="Verified positions per batch step across its sequences, so speculation "
+                                             "shrinks as the batch grows: 'auto' (the most one forward scores for about "
+                                             "the cost of one, measured as the server starts), a number, or 'none'."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice; 1 helps "
                                                                  "on a machine whose cores are busy with other work)."),
     allowed_host: list[str] = typer.Option([], "--allowed-host",
@@ -60,9 +66,15 @@ def serve(
     for label, value, low in (("--draft-length", draft_length, 1), ("--max-tokens", max_tokens, 1),
                               ("--default-max-tokens", default_max_tokens, 1), ("--max-body-bytes", max_body_bytes, 1),
                               ("--max-queue", max_queue, 0), ("--workers", workers, 1), ("--port", port, 0),
+                              ("--max-batch", max_batch, 1),
                               ("--max-prompt-tokens", max_prompt_tokens, 1)):
         if value < low:
             fail(f"{label} must be >= {low}, got {value}")
+    positions = batch_positions.strip().lower()
+    if positions not in ("auto", "none"):
+        if not positions.isdigit() or int(positions) < 1:
+            fail(f"--batch-positions must be 'auto', 'none' or an integer >= 1, got {batch_positions!r}")
+        positions = int(positions)
     if threads is not None and threads < 1:
         fail(f"--threads must be >= 1, got {threads}")
     if default_max_tokens > max_tokens:
@@ -88,7 +100,8 @@ def serve(
                           engine_options={"ngram_max": ngram_max, **({"head": head} if head else {})},
                           default_max_tokens=default_max_tokens,
                           max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-                          max_queue=max_queue, timeout=timeout, api_key=api_key, workers=workers, allowed_hosts=hosts)
+                          max_queue=max_queue, timeout=timeout, api_key=api_key, workers=workers, allowed_hosts=hosts,
+                          max_batch=max_batch, batch_positions=None if positions == "none" else positions)
     server_app = create_app(target, config, draft=draft_model)
     err.print(f"serving {target.name} ({method}) on http://{host}:{port}/  (OpenAI API under /v1, metrics at /metrics)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -5,8 +5,9 @@
     POST /v1/verispec/race                            (extension: several methods, same prompt)
 
 Every request builds its own Engine with verispec.api.build_engine (cheap: the target model is loaded
-once; an engine holds a KV cache and a small drafter), then waits in the fair FIFO queue of
-scheduler.Scheduler for an engine thread. Speculation settings come from the server's defaults,
+once; an engine holds a pooled runner, i.e. a KV cache over the shared weights, and a small drafter),
+waits in the fair FIFO queue of scheduler.Scheduler, and joins an engine thread's batch between two
+steps: up to max_batch generations share one target forward per step (continuous batching). Speculation settings come from the server's defaults,
 overridden per request by the extension object "verispec" in the body; statistics go back in a
 "verispec" field of every response and stream chunk (OpenAI clients ignore unknown fields).
 
@@ -30,6 +31,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
+from verispec.errors import InvalidParameter
 from verispec.server import errors, generate, info
 from verispec.server.guard import Guard
 from verispec.server.info import STATIC
@@ -57,11 +59,24 @@ class ServerConfig:
     max_queue: int = 16
     timeout: float = 300.0                 # seconds from arrival to the last token, queue wait included
     api_key: str | None = None
-    workers: int = 1
+    workers: int = 1                       # engine threads, each running its own batch
+    # generations stepped together per engine thread (continuous batching, scheduler.py); 1: one at a
+    # time. `verispec serve` defaults to 8
+    max_batch: int = 1
+    # verified positions per batch step across its sequences, so speculation shrinks as the batch grows:
+    # "auto" (measured: batch.free_positions), a number, or None (each sequence drafts as alone)
+    batch_positions: int | str | None = "auto"
     keep_runners: int = 2                  # idle runners kept per runner configuration (see work.RunnerPool)
     # Host header values answered (any port); "*" = any. Loopback names by default, so a web page cannot
     # reach a keyless local server through DNS rebinding
     allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
+
+    def __post_init__(self):
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise InvalidParameter(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        p = self.batch_positions
+        if p is not None and p != "auto" and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+            raise InvalidParameter(f"batch_positions must be 'auto', an integer >= 1 or None, got {p!r}")
 
 
 def create_app(target, config: ServerConfig | None = None, draft=None,
@@ -76,7 +91,8 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        served.scheduler = app.state.scheduler = Scheduler(config.max_queue, config.workers, served.metrics)
+        served.scheduler = app.state.scheduler = Scheduler(config.max_queue, config.workers, served.metrics,
+                                                           max_batch=config.max_batch, positions=served.step_positions)
         try:
             yield
         finally:

@@ -197,6 +197,8 @@ async def race(body: RaceRequest, request: Request, s: Served = Depends(served))
             for engine, key in built:
                 s.pool.release(engine, key)
 
+    # a plain job, not a batch member: the engine thread runs the whole race alone between two batch steps,
+    # so each lane's clock times its own forwards (the batch's sequences wait meanwhile)
     job = s.submit(race_work, None)
     try:
         first = await s.next_item(job, request)

@@ -44,7 +44,7 @@ async def info(s: Served = Depends(served)):
                          "max_tokens": config.default_max_tokens, **config.engine_options},
             "limits": {"max_tokens": config.max_tokens, "max_prompt_tokens": s.max_prompt,
                        "max_body_bytes": config.max_body_bytes, "max_queue": config.max_queue,
-                       "timeout": config.timeout},
+                       "timeout": config.timeout, "max_batch": config.max_batch},
             "api_key_required": bool(config.api_key)}
 
 

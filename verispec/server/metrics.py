@@ -66,6 +66,11 @@ class ServerMetrics:
         self.queue_wait = _Histogram(LATENCY_BUCKETS)
         self.queued = 0
         self.running = 0
+        self.batch_active = 0        # sequences in the engine threads' batches now
+        self.batch_steps = 0         # batch steps (one shared target forward each, per engine thread)
+        self.batch_sequence_steps = 0  # ... and the sequences they advanced (mean batch size = ratio)
+        self.max_batch = 1
+        self.batch_positions: int | None = None
         self.runners = lambda: 0   # set by the app: runners built so far (they are pooled and reused)
 
     # --- updates -------------------------------------------------------------------------------
@@ -114,6 +119,20 @@ class ServerMetrics:
         with self._lock:
             self.queued, self.running = queued, running
 
+    def set_batch(self, active: int) -> None:
+        with self._lock:
+            self.batch_active = active
+
+    def set_batch_limits(self, max_batch: int, positions: int | None) -> None:
+        with self._lock:
+            self.max_batch, self.batch_positions = max_batch, positions
+
+    def batch_step(self, sequences: int) -> None:
+        """One batch step that advanced `sequences` generations together."""
+        with self._lock:
+            self.batch_steps += 1
+            self.batch_sequence_steps += sequences
+
     # --- exposition ----------------------------------------------------------------------------
     def render(self) -> str:
         with self._lock:
@@ -159,6 +178,18 @@ class ServerMetrics:
                     for i, (a, d) in enumerate(zip(self.accepted_by_position, self.drafted_by_position))])
             metric("verispec_queue_length", "gauge", "Requests waiting for the engine.", [((), self.queued)])
             metric("verispec_running", "gauge", "Generations running now.", [((), self.running)])
+            metric("verispec_batch_active_sequences", "gauge", "Generations in the engine's batch now.",
+                   [((), self.batch_active)])
+            metric("verispec_batch_max_sequences", "gauge", "Most generations one engine thread batches (--max-batch).",
+                   [((), self.max_batch)])
+            metric("verispec_batch_positions", "gauge",
+                   "Verified positions a batch step may spend across its sequences (0: no budget).",
+                   [((), self.batch_positions or 0)])
+            metric("verispec_batch_steps_total", "counter", "Batch steps: one shared target forward for all its sequences.",
+                   [((), self.batch_steps)])
+            metric("verispec_batch_sequence_steps_total", "counter",
+                   "Sequences advanced by batch steps (divided by the steps: the mean batch size).",
+                   [((), self.batch_sequence_steps)])
             metric("verispec_runners_built_total", "counter",
                    "Model runners (fused weights + KV cache) built; requests reuse idle ones.", [((), self.runners())])
             histogram("verispec_time_to_first_token_seconds", "Time from generation start to the first token.", self.ttft)

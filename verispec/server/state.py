@@ -17,6 +17,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from verispec.api import build_engine
+from verispec.batch import free_positions
 from verispec.drafters import METHODS
 from verispec.errors import VerispecError
 from verispec.options import SpeculationSettings
@@ -24,7 +25,8 @@ from verispec.server.errors import APIError, verispec_error
 from verispec.server.metrics import ServerMetrics
 from verispec.server.scheduler import Job, QueueFull, Scheduler
 from verispec.server.schemas import SpeculationOptions
-from verispec.server.work import RunnerPool, run_generation
+from verispec.server.work import BatchedGeneration, RunnerPool
+from verispec.tree import measure_verify_cost
 from verispec.types import SamplingParams
 
 # build_engine keywords a request may not set: the target is the served model; the draft model and a
@@ -66,7 +68,10 @@ class Served:
         self.allowed = set(SpeculationSettings.model_fields) & _engine_keywords(
             build_engine if engine_factory is None else _signature_source(engine_factory))
         self.metrics = ServerMetrics()
-        self.pool = RunnerPool(engine_factory or build_engine, keep=config.keep_runners)
+        # a batch holds one runner per sequence: keep that many idle, so a steady load reuses them
+        self.pool = RunnerPool(engine_factory or build_engine,
+                               keep=max(config.keep_runners, config.max_batch * config.workers))
+        self.verify_cost: dict[int, float] | None = None   # the cost curve behind batch_positions "auto"
         self.metrics.runners = lambda: self.pool.built
         self.scheduler: Scheduler | None = None
         self.created = int(time.time())
@@ -144,14 +149,32 @@ class Served:
             raise APIError(400, "these speculation options are not accepted by this server's engine: "
                                 f"{', '.join(sorted(options))[:300]}", param=param, code="invalid_value") from exc
 
-    def generation_work(self, options: dict, ids: list[int], params: SamplingParams) -> Callable[[Job], None]:
-        def work(job: Job) -> None:
-            engine, key = self.build(options)
-            try:
-                run_generation(job, engine, ids, params, self.target.decode, self.metrics)
-            finally:
-                self.pool.release(engine, key)
-        return work
+    def generation_work(self, options: dict, ids: list[int], params: SamplingParams) -> BatchedGeneration:
+        """The job's work: a generation that joins the engine thread's batch with its own engine."""
+        return BatchedGeneration(lambda: self.build(options), self.pool.release, ids, params, self.target.decode,
+                                 self.metrics)
+
+    def step_positions(self) -> int | None:
+        """The batch's per-step budget of verified positions (scheduler.Scheduler asks once, in an engine
+        thread). "auto": the most positions one forward scores for about the cost of one
+        (batch.free_positions), from the cost curve measured on a runner of the server's default
+        configuration. One sequence at a time (max_batch 1) drafts as it would alone: no budget."""
+        config = self.config
+        if config.max_batch == 1 or config.batch_positions is None:
+            return None
+        if config.batch_positions != "auto":
+            return config.batch_positions
+        engine, key = self.pool.build(self.target, self.draft, self.engine_options(None))
+        try:
+            measured = measure_verify_cost(engine.runner, repeats=5)
+        finally:
+            self.pool.release(engine, key)
+        # more positions never cost less than fewer: a size measured slow by noise (other work on the
+        # cores) takes the cost of the cheapest larger size, so one slow probe of a single position
+        # cannot make large forwards look free
+        sizes = sorted(measured)
+        self.verify_cost = {n: min(measured[m] for m in sizes[i:]) for i, n in enumerate(sizes)}
+        return free_positions(self.verify_cost)
 
     async def encode(self, param: str, prompt: str | None = None, chat: list[dict] | None = None,
                      ids: list[int] | None = None) -> list[int]:

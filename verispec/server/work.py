@@ -1,7 +1,8 @@
-"""What an engine thread does for a request: run a generation (or a race of several) step by step,
-report each step to the event loop, and stop when the job is cancelled: between steps, and between
-the prompt's prefill chunks (Engine.stream's should_stop), so a long prompt cannot hold a worker
-past its deadline or its client.
+"""What an engine thread does for a request: a generation as a member of the thread's batch
+(BatchedGeneration: scheduler.py steps it with the others), or a race of several engines run alone
+(run_race); either reports each step to the event loop and stops when the job is cancelled: between
+steps, and between the prompt's prefill chunks (should_stop), so a long prompt cannot hold the engine
+thread past its deadline or its client.
 
 Each step's tokens are also decoded one by one ("pieces") so the page can colour every token by how
 it was produced; the OpenAI text delta alone cannot say which characters came from which token.
@@ -14,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from verispec.server.scheduler import Job
+from verispec.server.scheduler import Job, Member
 
 # build_engine options that decide what a runner is; engines agreeing on them can share one
 RUNNER_OPTIONS = ("backend", "exact", "compile")
@@ -26,8 +27,9 @@ class RunnerPool:
     A runner (verispec.backends.fast.FastRunner) holds a fused copy of the target's weights and a KV cache, so
     building one per request would cost time and, with requests queued, memory per request. Engines
     themselves are cheap and built per job around a runner taken from here. At most `keep` idle
-    runners are kept in all (a race needs one per lane at the same time; the least recently used goes
-    first). The verification cost curve an engine measured (tree budget "auto") is kept as well.
+    runners are kept in all (a batch needs one per sequence at the same time, a race one per lane; the
+    least recently used goes first). The verification cost curve an engine measured (tree budget
+    "auto") is kept as well.
     """
 
     def __init__(self, factory: Callable[..., Any], keep: int = 2):
@@ -106,29 +108,46 @@ class PieceDecoder:
         return pieces
 
 
-def run_generation(job: Job, engine, prompt_ids: list[int], params, decode, metrics) -> None:
-    """Stream one generation: emits ("step", (event, pieces)) per step, then ("done", Generation) or
-    ("cancelled", reason)."""
-    pieces = PieceDecoder(decode)
-    stream = engine.stream(prompt_ids, params, should_stop=lambda: job.stop_reason() is not None)
-    reason = None
-    try:
-        for event in stream:
-            metrics.step(len(event.token_ids))
-            job.emit("step", (event, pieces.add(event.token_ids)))
-            reason = job.stop_reason()
-            if reason is not None:
-                break
-    finally:
-        stream.close()  # stops the engine's generator: no further target forwards
-    if reason is None and engine.last is not None and engine.last.finish_reason == "cancelled":
-        reason = job.stop_reason() or "timeout"  # stopped inside the engine (during the prefill)
-    if reason is not None:
-        metrics.cancel(reason)
-        job.emit("cancelled", reason)
-        return
-    metrics.generation_done(engine.last.stats)
-    job.emit("done", engine.last)
+class BatchedGeneration(Member):
+    """One request's generation as a member of the engine thread's batch (scheduler.Member).
+
+    build() -> (engine, pool key) and release(engine, key) come from the server (its runner pool):
+    each member gets its own engine, so its runner (KV cache), drafter and speculation settings are its
+    own. Emits ("step", (event, pieces)) per step, then ("done", Generation) or ("cancelled", reason).
+    """
+
+    def __init__(self, build: Callable[[], tuple], release: Callable[[Any, tuple], None], prompt_ids: list[int],
+                 params, decode: Callable[[list[int]], str], metrics):
+        self.build, self.release = build, release
+        self.prompt_ids, self.params, self.metrics = prompt_ids, params, metrics
+        self.pieces = PieceDecoder(decode)
+        self._engine: tuple | None = None
+
+    def join(self, job: Job, batch):
+        self._engine = self.build()
+        return batch.add(self._engine[0], self.prompt_ids, self.params, should_stop=job.should_stop)
+
+    def step(self, job: Job, event) -> None:
+        self.metrics.step(len(event.token_ids))
+        job.emit("step", (event, self.pieces.add(event.token_ids)))
+
+    def leave(self, job: Job, run) -> None:
+        self.abort(job)
+        gen = run.result()
+        if gen.finish_reason == "cancelled":
+            reason = job.stop_reason() or "timeout"
+            self.metrics.cancel(reason)
+            job.emit("cancelled", reason)
+            return
+        self.metrics.generation_done(gen.stats)
+        job.emit("done", gen)
+
+    def abort(self, job: Job) -> None:
+        """The engine goes back to the pool (its runner is reset when the next generation starts)."""
+        if self._engine is not None:
+            engine, key = self._engine
+            self._engine = None
+            self.release(engine, key)
 
 
 def run_race(job: Job, engines: list, prompt_ids: list[int], params, decode, metrics) -> None:
