@@ -31,7 +31,6 @@ bit-identical whatever shares its batch and whenever it joined.
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
 from verispec.backends import forward_many
@@ -42,17 +41,25 @@ from verispec.theory import CostCurve
 from verispec.types import SamplingParams
 
 
+def cost_envelope(cost: dict[int, float]) -> dict[int, float]:
+    """A measured cost curve made non-decreasing: each size takes the cheapest cost measured at it or any
+    larger size. More positions never cost less than fewer, so a higher figure is noise (other work on
+    the cores); taking the lower one means a slow probe of one position cannot make large forwards look
+    free."""
+    sizes = sorted(cost)
+    return {n: min(cost[m] for m in sizes[i:]) for i, n in enumerate(sizes)}
+
+
 def free_positions(cost: dict[int, float], rows: int = 1, slack: float = 1.25) -> int:
     """The most positions one forward scores within `slack` x the cost of `rows` positions, the forward a
     batch of `rows` sequences pays anyway when each decodes plainly; at least `rows`. cost: a measured cost
-    curve (tree.measure_verify_cost: positions -> seconds), taken as never falling with more positions
-    (a measured dip is noise), and between measured sizes as theory.CostCurve interpolates it."""
+    curve (tree.measure_verify_cost: positions -> seconds), taken through cost_envelope, and between
+    measured sizes as theory.CostCurve interpolates it."""
     if 1 not in cost:
         raise InvalidParameter("the cost curve needs the cost of one position")
-    ns = sorted(cost)
-    times = list(itertools.accumulate((cost[n] for n in ns), max))
-    limit = slack * CostCurve(ns, times).seconds(rows)
-    return max([n for n, t in zip(ns, times) if t <= limit] + [rows])
+    curve = cost_envelope(cost)
+    limit = slack * CostCurve(list(curve), list(curve.values())).seconds(rows)
+    return max([n for n, t in curve.items() if t <= limit] + [rows])
 
 
 class Batch:

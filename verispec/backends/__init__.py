@@ -36,12 +36,12 @@ def forward_many(calls: list[tuple[Runner, Forward]]) -> list[Scores]:
     out: list[Scores | None] = [None] * len(calls)
     groups: dict = {}
     for i, (runner, call) in enumerate(calls):
-        key = runner.batch_key(call)
-        if key is None:
-            out[i] = runner.forward(call.ids, tree=call.tree, features=call.features)
-        else:
-            groups.setdefault(key, []).append(i)
-    for idx in groups.values():
+        groups.setdefault(runner.batch_key(call) or ("alone", i), []).append(i)
+    for key, idx in groups.items():
+        if len(idx) == 1:  # alone: the runner's own forward (the fast backend's native whole-stack call)
+            runner, call = calls[idx[0]]
+            out[idx[0]] = runner.forward(call.ids, tree=call.tree, features=call.features)
+            continue
         runners = [calls[i][0] for i in idx]
         for i, scores in zip(idx, type(runners[0]).forward_together(runners, [calls[i][1] for i in idx])):
             out[i] = scores

@@ -107,13 +107,14 @@ class Scheduler:
     """Runs jobs in arrival order on `workers` engine threads, each a batch of at most `max_batch`
     generations, with at most `max_queue` jobs waiting beyond the free places.
 
-    positions: the per-step budget of verified positions across a batch (Batch's `positions`): an int,
-    None (no budget), or a callable returning one, asked once in the first engine thread as it starts
-    (the server measures its cost curve there, off the event loop, before a request waits for it).
+    positions: the per-step budget of verified positions across a batch: an int (Batch's `positions`),
+    None (no budget), a cost curve (Batch's `cost`: the budget follows the batch's size), or a callable
+    returning one of those, asked once in the first engine thread as it starts (the server measures its
+    cost curve there, off the event loop, before a request waits for it).
     """
 
     def __init__(self, max_queue: int = 16, workers: int = 1, metrics=None, max_batch: int = 1,
-                 positions: "int | None | Callable[[], int | None]" = None):
+                 positions: "int | dict | None | Callable[[], int | dict | None]" = None):
         if max_queue < 0 or workers < 1 or max_batch < 1:
             raise ValueError("max_queue must be >= 0, workers >= 1 and max_batch >= 1")
         self.max_queue, self.metrics, self.max_batch = max_queue, metrics, max_batch
@@ -126,7 +127,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._positions_lock = threading.Lock()
         if metrics is not None:
-            metrics.set_batch_limits(max_batch, None if callable(positions) else positions)
+            metrics.set_batch_limits(max_batch, None if callable(positions) else self._full_budget(positions))
         self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"verispec-engine-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -167,21 +168,30 @@ class Scheduler:
             self._publish()
             return True
 
-    def positions(self) -> int | None:
-        """The per-step positions budget, resolved on first use (in an engine thread)."""
+    def _full_budget(self, positions) -> int | None:
+        """The positions budget of a full batch (a cost curve's at max_batch sequences), for /metrics."""
+        from verispec.batch import free_positions
+
+        return free_positions(positions, rows=self.max_batch) if isinstance(positions, dict) else positions
+
+    def positions(self) -> int | dict | None:
+        """The per-step positions budget (or cost curve), resolved on first use (in an engine thread)."""
         if not self._positions_known:
             with self._positions_lock:
                 if not self._positions_known:
                     self._positions = self._positions()
                     self._positions_known = True
                     if self.metrics is not None:
-                        self.metrics.set_batch_limits(self.max_batch, self._positions)
+                        self.metrics.set_batch_limits(self.max_batch, self._full_budget(self._positions))
         return self._positions
 
     def _new_batch(self):
         from verispec.batch import Batch
 
-        return Batch(self.max_batch, self.positions())
+        budget = self.positions()
+        if isinstance(budget, dict):
+            return Batch(self.max_batch, cost=budget)
+        return Batch(self.max_batch, budget)
 
     # --- the engine thread ------------------------------------------------------------------
     def _loop(self, index: int) -> None:

@@ -17,7 +17,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from verispec.api import build_engine
-from verispec.batch import free_positions
+from verispec.batch import cost_envelope
 from verispec.drafters import METHODS
 from verispec.errors import VerispecError
 from verispec.options import SpeculationSettings
@@ -154,11 +154,11 @@ class Served:
         return BatchedGeneration(lambda: self.build(options), self.pool.release, ids, params, self.target.decode,
                                  self.metrics)
 
-    def step_positions(self) -> int | None:
+    def step_positions(self) -> int | dict | None:
         """The batch's per-step budget of verified positions (scheduler.Scheduler asks once, in an engine
-        thread). "auto": the most positions one forward scores for about the cost of one
-        (batch.free_positions), from the cost curve measured on a runner of the server's default
-        configuration. One sequence at a time (max_batch 1) drafts as it would alone: no budget."""
+        thread): a number, None (each sequence drafts as alone; also when one sequence runs at a time), or
+        for "auto" the cost curve measured on a runner of the server's default configuration, from which
+        each step's Batch picks the budget at its current size (batch.free_positions)."""
         config = self.config
         if config.max_batch == 1 or config.batch_positions is None:
             return None
@@ -169,12 +169,8 @@ class Served:
             measured = measure_verify_cost(engine.runner, repeats=5)
         finally:
             self.pool.release(engine, key)
-        # more positions never cost less than fewer: a size measured slow by noise (other work on the
-        # cores) takes the cost of the cheapest larger size, so one slow probe of a single position
-        # cannot make large forwards look free
-        sizes = sorted(measured)
-        self.verify_cost = {n: min(measured[m] for m in sizes[i:]) for i, n in enumerate(sizes)}
-        return free_positions(self.verify_cost)
+        self.verify_cost = cost_envelope(measured)
+        return self.verify_cost
 
     async def encode(self, param: str, prompt: str | None = None, chat: list[dict] | None = None,
                      ids: list[int] | None = None) -> list[int]:
