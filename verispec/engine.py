@@ -35,7 +35,7 @@ from verispec.output import Output, StepEvent
 from verispec.sampling import make_generator
 from verispec.tree import (DynamicTree, RankAcceptance, StaticTree, TreeLayout, TreeShape, choose_budget,
                            measure_verify_cost, parse_tree)
-from verispec.types import Proposal, SamplingParams, StepResult
+from verispec.types import Proposal, SamplingParams
 
 
 @dataclass

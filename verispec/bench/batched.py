@@ -40,7 +40,7 @@ import torch
 
 from verispec.bench.baselines import MethodSpec, VerispecContender, parse_method
 from verispec.bench.environment import environment
-from verispec.bench.harness import Conversation, _resolve_chat, _weights_format
+from verispec.bench.harness import Conversation, _resolve_chat, _weights_format, fitting_questions
 from verispec.bench.prompts import Question
 from verispec.bench.summary import REFERENCE, _first_diff
 from verispec.errors import InvalidParameter
@@ -56,39 +56,33 @@ def parse_batch_sizes(values) -> list[int]:
     sizes: set[int] = set()
     for v in values or ():
         parts = [v] if isinstance(v, int) and not isinstance(v, bool) else [p.strip() for p in str(v).split(",")]
-        for p in parts:
-            if isinstance(p, str):
-                if not p:
-                    continue
-                try:
-                    p = int(p)
-                except ValueError:
-                    raise InvalidParameter(f"batch size must be an integer >= 1, got '{p}'") from None
-            if p < 1:
-                raise InvalidParameter(f"batch size must be an integer >= 1, got {p}")
-            sizes.add(p)
+        sizes.update(_positive(p, "batch size must be an integer >= 1") for p in parts if p != "")
     return sorted(sizes) if sizes else list(DEFAULT_BATCH_SIZES)
+
+
+def _positive(value: int | str, rule: str) -> int:
+    """An integer >= 1 from an int or its text, else InvalidParameter(rule, what was given)."""
+    try:
+        n = int(value) if isinstance(value, int) or str(value).strip().lstrip("+-").isdigit() else None
+    except ValueError:
+        n = None
+    if n is None:
+        raise InvalidParameter(f"{rule}, got '{value}'")
+    if n < 1:
+        raise InvalidParameter(f"{rule}, got {n}")
+    return n
 
 
 def parse_positions(value) -> str | int | None:
     """A positions budget: 'auto', 'none' (None: each sequence drafts as it would alone) or an integer >= 1."""
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        text = str(value).strip().lower()
-        if text in ("none", "off", ""):
-            return None
-        if text == AUTO:
-            return AUTO
-        try:
-            n = int(text)
-        except ValueError:
-            raise InvalidParameter(f"batch positions must be auto, none or an integer >= 1, got '{value}'") from None
-    if n < 1:
-        raise InvalidParameter(f"batch positions must be auto, none or an integer >= 1, got {n}")
-    return n
+    text = str(value).strip().lower()
+    if text in ("none", "off", ""):
+        return None
+    if text == AUTO:
+        return AUTO
+    return _positive(value, "batch positions must be auto, none or an integer >= 1")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -340,16 +334,7 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
     chat = _resolve_chat(target, prompt_mode)
     contenders = _contenders(methods, settings, draft_length)
 
-    runnable, skipped_q = [], []
-    for q in questions:  # as the batch-1 harness: questions that do not fit are skipped for everyone alike
-        n = len(Conversation(target, chat).ask(q.turns[0])) + max_new_tokens * len(q.turns) + sum(
-            len(target.encode(prompt=t)) + 8 for t in q.turns[1:])
-        if n >= target.context_length:
-            skipped_q.append({"question_id": q.question_id, "reason": f"needs ~{n} positions > {target.context_length}"})
-        else:
-            runnable.append(q)
-    if not runnable:
-        raise InvalidParameter("no question fits the model's context window with these settings")
+    runnable, skipped_q = fitting_questions(target, chat, questions, max_new_tokens)
 
     from verispec.tree import DynamicTree, measure_verify_cost
 
@@ -518,13 +503,10 @@ def write_batch_bench(result: dict, json_path, plots: bool = True) -> dict:
     """Write the JSON (with the command line), the markdown table next to it (.md) and, with plots, <stem>_batch.png."""
     from pathlib import Path
 
-    from verispec.bench.report import write_json
+    from verispec.bench.report import write_json_and_markdown
 
     json_path = Path(json_path)
-    files = {"json": write_json(result, json_path)}
-    md = json_path.with_suffix(".md")
-    md.write_text(markdown(result))
-    files["markdown"] = md
+    files = write_json_and_markdown(result, json_path, markdown(result))
     if plots:
         files["batch_png"] = plot(result, Path(f"{json_path.with_suffix('')}_batch.png"))
     return files

@@ -54,6 +54,23 @@ class Conversation:
             self.ids = self.ids + list(token_ids)
 
 
+def fitting_questions(target, chat: bool, questions: list, max_new_tokens: int) -> tuple[list, list[dict]]:
+    """(the questions whose turns and answers fit the context window, the skipped ones with why): a question
+    that does not fit is skipped for every contender alike. Later turns are estimated by their raw length
+    (the chat template adds a few tokens)."""
+    runnable, skipped = [], []
+    for q in questions:
+        n = len(Conversation(target, chat).ask(q.turns[0])) + max_new_tokens * len(q.turns) + sum(
+            len(target.encode(prompt=t)) + 8 for t in q.turns[1:])
+        if n >= target.context_length:
+            skipped.append({"question_id": q.question_id, "reason": f"needs ~{n} positions > {target.context_length}"})
+        else:
+            runnable.append(q)
+    if not runnable:
+        raise InvalidParameter("no question fits the model's context window with these settings")
+    return runnable, skipped
+
+
 def _resolve_chat(target, mode: str) -> bool:
     has_template = bool(getattr(target.tokenizer, "chat_template", None))
     if mode == "auto":
@@ -130,19 +147,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
     chat = _resolve_chat(target, prompt_mode)
     contenders, skipped = _contenders(target, methods, draft, baselines, draft_length, threads)
 
-    # questions that do not fit the context window are skipped for every contender alike
-    runnable, skipped_q = [], []
-    for q in questions:
-        conv = Conversation(target, chat)
-        # later turns are estimated by their raw length (the chat template adds a few tokens)
-        n = len(conv.ask(q.turns[0])) + max_new_tokens * len(q.turns) + sum(
-            len(target.encode(prompt=t)) + 8 for t in q.turns[1:])
-        if n >= target.context_length:
-            skipped_q.append({"question_id": q.question_id, "reason": f"needs ~{n} positions > {target.context_length}"})
-        else:
-            runnable.append(q)
-    if not runnable:
-        raise InvalidParameter("no question fits the model's context window with these settings")
+    runnable, skipped_q = fitting_questions(target, chat, questions, max_new_tokens)
 
     def drop(c, exc: Exception) -> None:
         """A foreign baseline that raises is reported as not run (with why), and the bench goes on;

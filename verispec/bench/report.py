@@ -174,13 +174,17 @@ def plot_throughput(result: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def write_json_and_markdown(result: dict, json_path: Path, table: str) -> dict[str, Path]:
+    """The result's JSON (with the command line) and its markdown table next to it (.md)."""
+    md = json_path.with_suffix(".md")
+    md.write_text(table)
+    return {"json": write_json(result, json_path), "markdown": md}
+
+
 def write_bench(result: dict, json_path: str | Path, plots: bool = True) -> dict[str, Path]:
     """Write the JSON, the markdown table next to it (.md) and the plots (<stem>_*.png)."""
     json_path = Path(json_path)
-    files = {"json": write_json(result, json_path)}
-    md = json_path.with_suffix(".md")
-    md.write_text(markdown(result))
-    files["markdown"] = md
+    files = write_json_and_markdown(result, json_path, markdown(result))
     if plots:
         stem = json_path.with_suffix("")
         files["speedup_png"] = plot_speedup(result, Path(f"{stem}_speedup.png"))
