@@ -420,9 +420,10 @@ def test_labels_end_where_an_answer_starts_looping(tiny, tmp_path):
 def test_self_distillation_stops_an_answer_at_its_first_loop(monkeypatch, tmp_path):
     """With loop_ngram n a row stops once its last n tokens occurred earlier in its answer: the answer is
     the uncut answer up to the end of its first repeated n-gram (so training labels end where they did),
-    generation of that row stops there, an answer without a loop is unchanged, EOS still ends an answer,
-    and every record says how it ended."""
-    from verispec.train.data import LoopStop, generate_answers
+    an answer without a loop is unchanged, EOS still ends an answer, and every record says how it ended.
+    The compacting decoder gives transformers' generate's answers (with the LoopStop criterion, and
+    without it as the uncut reference), and a row leaves its batch at the step it ends."""
+    from verispec.train.data import LoopStop, generate_answers, read_jsonl
     from verispec.train.extract import loop_free_length
 
     eos = 7
@@ -434,17 +435,12 @@ def test_self_distillation_stops_an_answer_at_its_first_loop(monkeypatch, tmp_pa
                for i in range(12)]
     n, cap = 6, 20
     kw = dict(max_new_tokens=cap, log=lambda m: None, progress=False, batch_size=4)
-    off = {r["id"]: r for r in generate_answers(target, prompts, tmp_path / "off.jsonl", **kw)}
-    widths = []
-    generate = target.model.generate
-
-    def counted(**args):
-        out = generate(**args)
-        widths.append(out.shape[1] - args["input_ids"].shape[1])
-        return out
-
-    monkeypatch.setattr(target.model, "generate", counted)
+    off = {r["id"]: r for r in generate_answers(target, prompts, tmp_path / "off.jsonl", compact=False, **kw)}
+    rows_per_forward = []
+    hook = target.model.register_forward_pre_hook(lambda m, a, k: rows_per_forward.append(k["input_ids"].shape[0]),
+                                                  with_kwargs=True)
     on = {r["id"]: r for r in generate_answers(target, prompts, tmp_path / "on.jsonl", loop_ngram=n, **kw)}
+    hook.remove()
     assert sorted(on) == sorted(off) == sorted(p["id"] for p in prompts)
     ends = {"eos": 0, "loop": 0, "length": 0}
     for i, r in on.items():
@@ -464,14 +460,31 @@ def test_self_distillation_stops_an_answer_at_its_first_loop(monkeypatch, tmp_pa
             assert len(r["answer_ids"]) == cap and eos not in r["answer_ids"]
     assert min(ends.values()) >= 1, ends  # every way of ending occurs
     assert {r["end"] for r in off.values()} <= {"eos", "length"}
-    # a batch whose rows all ended (by EOS or a loop) before the cap stopped generating early
+    # each batch: a prefill of all its rows, then decode step k runs exactly the rows longer than k tokens
+    lengths = [len(r["answer_ids"]) for r in read_jsonl(tmp_path / "on.jsonl")]  # in batch order
+    expect = []
+    for b in range(0, len(lengths), 4):
+        part = lengths[b:b + 4]
+        expect += [len(part)] + [sum(x > k for x in part) for k in range(1, max(part))]
+    assert rows_per_forward == expect
+    # transformers' generate with the LoopStop criterion: the same answers; a batch stops once all its rows
+    # ended, and one row alone stops at the very token that completes its repeated n-gram
+    widths = []
+    generate = target.model.generate
+
+    def counted(**args):
+        out = generate(**args)
+        widths.append(out.shape[1] - args["input_ids"].shape[1])
+        return out
+
+    monkeypatch.setattr(target.model, "generate", counted)
+    ref = generate_answers(target, prompts, tmp_path / "ref.jsonl", loop_ngram=n, compact=False, **kw)
+    assert {r["id"]: (r["answer_ids"], r["end"]) for r in ref} == {i: (r["answer_ids"], r["end"]) for i, r in on.items()}
     assert len(widths) == 3 and min(widths) < cap
-    # one row at a time: a looping row stops at the very token that completes the repeated n-gram
     widths.clear()
-    one = generate_answers(target, prompts, tmp_path / "one.jsonl", loop_ngram=n, **{**kw, "batch_size": 1})
+    one = generate_answers(target, prompts, tmp_path / "one.jsonl", loop_ngram=n, compact=False, **{**kw, "batch_size": 1})
     assert {r["id"]: r["answer_ids"] for r in one} == {i: r["answer_ids"] for i, r in on.items()}
-    by_len = sorted(len(r["answer_ids"]) for r in one)
-    assert sorted(widths) == by_len
+    assert sorted(widths) == sorted(len(r["answer_ids"]) for r in one)
     # the criterion alone: per row, True from the step its last n tokens repeat an earlier n-gram
     stop = LoopStop(start=2, n=2, rows=2)
     seqs = torch.tensor([[0, 0, 1, 2, 3, 1, 2, 9], [0, 5, 1, 2, 3, 4, 5, 6]])

@@ -190,15 +190,63 @@ class LoopStop(StoppingCriteria):
 
 
 @torch.inference_mode()
+def greedy_compacting(model, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: set[int],
+                      loop_ngram: int = 0) -> list[list[int]]:
+    """Greedy continuations of a left-padded batch (ids and attention mask), one list of tokens per row,
+    each ending at its first EOS (kept), its first repeated loop_ngram-gram (`finish_answer`'s rule) or
+    after max_new_tokens. A row that ended leaves the batch at once: its rows of the KV cache, mask and
+    positions are dropped, so the steps after it cost only the rows still going. Positions count each
+    row's real tokens from 0, as transformers' generate does for a left-padded batch."""
+    from transformers import DynamicCache
+
+    out: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    seen: list[set[tuple[int, ...]]] = [set() for _ in out]
+    alive = list(range(len(out)))  # the original row of each batch row
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    pos = pos[:, -1:] + 1
+    for _ in range(max_new_tokens):
+        toks = logits.argmax(-1).tolist()
+        keep = []
+        for j, (r, t) in enumerate(zip(alive, toks)):
+            ans = out[r]
+            ans.append(t)
+            done = t in eos or len(ans) >= max_new_tokens
+            if loop_ngram and not done and len(ans) >= loop_ngram:
+                g = tuple(ans[-loop_ngram:])
+                done = g in seen[r]
+                seen[r].add(g)
+            if not done:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(alive):
+            idx = torch.tensor(keep, device=mask.device)
+            cache.batch_select_indices(idx)
+            mask, pos = mask[idx], pos[idx]
+            alive = [alive[j] for j in keep]
+        step = torch.tensor([[out[r][-1]] for r in alive], device=mask.device)
+        mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+        logits = model(input_ids=step, attention_mask=mask, position_ids=pos, cache=cache,
+                       use_cache=True).logits[:, -1]
+        pos = pos + 1
+    return out
+
+
+@torch.inference_mode()
 def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tokens: int = 384,
                      max_new_tokens: int = 192, batch_size: int = 16, log=print, progress: bool = True,
-                     max_seconds: float | None = None, loop_ngram: int = 0) -> list[dict]:
+                     max_seconds: float | None = None, loop_ngram: int = 0, compact: bool = True) -> list[dict]:
     """Greedy answers of `target` (a LoadedModel) to `prompts`, appended to out_path as jsonl records
     {"id", "source", "prompt_ids", "answer_ids", "end"}, end "eos", "loop" or "length" (`finish_answer`);
     prompts already in the file are skipped. With `loop_ngram` n > 0 a row stops at its first repeated
-    n-gram (`LoopStop`), and a batch as soon as all its rows stopped. With `max_seconds` no new batch
-    starts after that much wall time (0: use the answers already in the file), so a long
-    self-distillation spreads over several runs."""
+    n-gram. `compact` (the default) decodes with `greedy_compacting`, where a row that ended leaves the
+    batch; otherwise with transformers' `generate` and a `LoopStop` criterion, where an ended row runs on
+    as padding until every row of its batch ended (a batch of 32 then mostly waits for one answer that
+    runs to the cap). With `max_seconds` no new batch starts after that much wall time (0: use the
+    answers already in the file), so a long self-distillation spreads over several runs."""
     done = {r["id"] for r in read_jsonl(out_path)}
     todo = []
     for p in prompts:
@@ -234,16 +282,20 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
         for r, (_, ids) in enumerate(batch):  # left padding: every row ends at the same column
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             mask[r, width - len(ids):] = 1
-        stop = {}
-        if loop_ngram:
-            from transformers import StoppingCriteriaList
+        input_ids, mask = input_ids.to(target.device), mask.to(target.device)
+        if compact:
+            rows = greedy_compacting(model, input_ids, mask, max_new_tokens, target.eos_token_ids, loop_ngram)
+        else:
+            stop = {}
+            if loop_ngram:
+                from transformers import StoppingCriteriaList
 
-            stop["stopping_criteria"] = StoppingCriteriaList([LoopStop(width, loop_ngram, len(batch))])
-        gen = model.generate(input_ids=input_ids.to(target.device), attention_mask=mask.to(target.device),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad, **stop)
+                stop["stopping_criteria"] = StoppingCriteriaList([LoopStop(width, loop_ngram, len(batch))])
+            rows = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=pad, **stop)[:, width:].tolist()
         with out_path.open("a") as f:
             for r, (p, ids) in enumerate(batch):
-                ans, end = finish_answer(gen[r, width:].tolist(), target.eos_token_ids, loop_ngram)
+                ans, end = finish_answer(rows[r], target.eos_token_ids, loop_ngram)
                 f.write(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": ids, "answer_ids": ans,
                                     "end": end}) + "\n")
     return read_jsonl(out_path)
