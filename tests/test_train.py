@@ -415,3 +415,78 @@ def test_labels_end_where_an_answer_starts_looping(tiny, tmp_path):
         assert labelled.max() + 1 < 10 + cut and labelled.min() + 1 >= 10  # label t is token t + 1
         assert int(b["anchors"][0][b["anchor_mask"][0]].max()) + 2 <= 10 + cut
         assert int(b["label_mask"][1].sum()) == 30  # the clean answer: every answer token a label
+
+
+def test_self_distillation_stops_an_answer_at_its_first_loop(monkeypatch, tmp_path):
+    """With loop_ngram n a row stops once its last n tokens occurred earlier in its answer: the answer is
+    the uncut answer up to the end of its first repeated n-gram (so training labels end where they did),
+    an answer without a loop is unchanged, EOS still ends an answer, and every record says how it ended.
+    The compacting decoder gives transformers' generate's answers (with the LoopStop criterion, and
+    without it as the uncut reference), and a row leaves its batch at the step it ends."""
+    from verispec.train.data import LoopStop, generate_answers, read_jsonl
+    from verispec.train.extract import loop_free_length
+
+    eos = 7
+    target = loaded(tiny_llama(vocab=V, seed=5, layers=4, eos=eos), eos=eos)
+    monkeypatch.setattr(target, "encode", lambda prompt=None, chat=None: [int(t) for t in chat.split()])
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"id": str(i), "source": "test",
+                "text": " ".join(map(str, torch.randint(1, V, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()))}
+               for i in range(12)]
+    n, cap = 6, 20
+    kw = dict(max_new_tokens=cap, log=lambda m: None, progress=False, batch_size=4)
+    off = {r["id"]: r for r in generate_answers(target, prompts, tmp_path / "off.jsonl", compact=False, **kw)}
+    rows_per_forward = []
+    hook = target.model.register_forward_pre_hook(lambda m, a, k: rows_per_forward.append(k["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    on = {r["id"]: r for r in generate_answers(target, prompts, tmp_path / "on.jsonl", loop_ngram=n, **kw)}
+    hook.remove()
+    assert sorted(on) == sorted(off) == sorted(p["id"] for p in prompts)
+    ends = {"eos": 0, "loop": 0, "length": 0}
+    for i, r in on.items():
+        full = off[i]["answer_ids"]
+        ends[r["end"]] += 1
+        body = full[:-1] if off[i]["end"] == "eos" else full
+        start = loop_free_length(body, n)
+        if start < len(body):  # looped: cut right after the repeated n-gram, labels still end at `start`
+            assert r["end"] == "loop" and r["answer_ids"] == full[: start + n] and len(r["answer_ids"]) < len(full)
+            assert loop_free_length(r["answer_ids"], n) == start
+            assert r["answer_ids"][start: start + n] in [r["answer_ids"][k: k + n] for k in range(start)]
+        else:
+            assert r["answer_ids"] == full and r["end"] == off[i]["end"]
+        if r["end"] == "eos":
+            assert r["answer_ids"][-1] == eos and eos not in r["answer_ids"][:-1]
+        elif r["end"] == "length":
+            assert len(r["answer_ids"]) == cap and eos not in r["answer_ids"]
+    assert min(ends.values()) >= 1, ends  # every way of ending occurs
+    assert {r["end"] for r in off.values()} <= {"eos", "length"}
+    # each batch: a prefill of all its rows, then decode step k runs exactly the rows longer than k tokens
+    lengths = [len(r["answer_ids"]) for r in read_jsonl(tmp_path / "on.jsonl")]  # in batch order
+    expect = []
+    for b in range(0, len(lengths), 4):
+        part = lengths[b:b + 4]
+        expect += [len(part)] + [sum(x > k for x in part) for k in range(1, max(part))]
+    assert rows_per_forward == expect
+    # transformers' generate with the LoopStop criterion: the same answers; a batch stops once all its rows
+    # ended, and one row alone stops at the very token that completes its repeated n-gram
+    widths = []
+    generate = target.model.generate
+
+    def counted(**args):
+        out = generate(**args)
+        widths.append(out.shape[1] - args["input_ids"].shape[1])
+        return out
+
+    monkeypatch.setattr(target.model, "generate", counted)
+    ref = generate_answers(target, prompts, tmp_path / "ref.jsonl", loop_ngram=n, compact=False, **kw)
+    assert {r["id"]: (r["answer_ids"], r["end"]) for r in ref} == {i: (r["answer_ids"], r["end"]) for i, r in on.items()}
+    assert len(widths) == 3 and min(widths) < cap
+    widths.clear()
+    one = generate_answers(target, prompts, tmp_path / "one.jsonl", loop_ngram=n, compact=False, **{**kw, "batch_size": 1})
+    assert {r["id"]: r["answer_ids"] for r in one} == {i: r["answer_ids"] for i, r in on.items()}
+    assert sorted(widths) == sorted(len(r["answer_ids"]) for r in one)
+    # the criterion alone: per row, True from the step its last n tokens repeat an earlier n-gram
+    stop = LoopStop(start=2, n=2, rows=2)
+    seqs = torch.tensor([[0, 0, 1, 2, 3, 1, 2, 9], [0, 5, 1, 2, 3, 4, 5, 6]])
+    got = [stop(seqs[:, :k]).tolist() for k in range(3, 9)]
+    assert got == [[False, False]] * 4 + [[True, False]] * 2

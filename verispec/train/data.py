@@ -6,7 +6,11 @@ the long prompts that Spec-Bench's summarization and rag tasks bring; evaluation
 MT-Bench, GSM8K test, HumanEval) are never read here. A fixed slice of ShareGPT_V3_filtered_500 is never
 used (`heldout_prompts`), and `split_heldout` holds back a share of every source's answered records.
 
-Answers are written batch by batch to a jsonl file; a rerun skips the prompts already answered.
+Answers are written batch by batch to a jsonl file; a rerun skips the prompts already answered. With
+`loop_ngram` n an answer ends at its first repetition loop: once its last n tokens occurred earlier in it,
+the row stops generating (`LoopStop`) and the answer keeps the text up to the loop plus the one repeated
+n-gram, so `extract.loop_free_length` still finds where the loop starts and training labels end at the same
+token as on the uncut answer; the 135M model's loops otherwise run on to the length cap.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import StoppingCriteria
 
 HELDOUT = 40  # the last HELDOUT prompts of ShareGPT_V3_filtered_500 are never trained on
 
@@ -137,14 +142,111 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def finish_answer(ans: list[int], eos: set[int], loop_ngram: int) -> tuple[list[int], str]:
+    """(answer, how it ended) for a row of generated tokens: up to and including its first EOS ("eos"),
+    or, when its first repeated loop_ngram-gram is complete before that, up to the end of that n-gram
+    ("loop"); otherwise all of it ("length": the token cap). Tokens after a row stopped (padding, or the
+    row's own continuation when the model has no EOS) are dropped."""
+    from verispec.train.extract import loop_free_length
+
+    cut = next((i for i, t in enumerate(ans) if t in eos), None)
+    head = ans[:cut] if cut is not None else ans
+    if loop_ngram:
+        start = loop_free_length(head, loop_ngram)
+        if start < len(head):
+            return ans[: start + loop_ngram], "loop"
+    if cut is not None:
+        return ans[: cut + 1], "eos"  # keep the EOS: the head learns to predict it
+    return ans, "length"
+
+
+class LoopStop(StoppingCriteria):
+    """A per-row stopping criterion for `model.generate` (transformers' StoppingCriteria: called
+    after every new token with the (batch, length) ids, returns a (batch,) bool tensor, True where the row
+    is done): a row is done once the last `n` tokens of its answer (the ids from column `start` on)
+    occurred earlier in that answer. Each n-gram is looked at once, as it completes."""
+
+    def __init__(self, start: int, n: int, rows: int):
+        self.start, self.n = start, n
+        self.seen: list[set[tuple[int, ...]]] = [set() for _ in range(rows)]
+        self.done = torch.zeros(rows, dtype=torch.bool)
+        self.next = 0  # the first answer position whose n-gram is not looked at yet
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        last = input_ids.shape[1] - self.start - self.n  # the newest complete n-gram's position
+        if last >= self.next:
+            block = input_ids[:, self.start + self.next:].tolist()
+            for r, row in enumerate(block):
+                if self.done[r]:
+                    continue
+                for k in range(last - self.next + 1):
+                    g = tuple(row[k:k + self.n])
+                    if g in self.seen[r]:
+                        self.done[r] = True
+                        break
+                    self.seen[r].add(g)
+            self.next = last + 1
+        return self.done.to(input_ids.device)
+
+
+@torch.inference_mode()
+def greedy_compacting(model, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: set[int],
+                      loop_ngram: int = 0) -> list[list[int]]:
+    """Greedy continuations of a left-padded batch (ids and attention mask), one list of tokens per row,
+    each ending at its first EOS (kept), its first repeated loop_ngram-gram (`finish_answer`'s rule) or
+    after max_new_tokens. A row that ended leaves the batch at once: its rows of the KV cache, mask and
+    positions are dropped, so the steps after it cost only the rows still going. Positions count each
+    row's real tokens from 0, as transformers' generate does for a left-padded batch."""
+    from transformers import DynamicCache
+
+    out: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    seen: list[set[tuple[int, ...]]] = [set() for _ in out]
+    alive = list(range(len(out)))  # the original row of each batch row
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    pos = pos[:, -1:] + 1
+    for _ in range(max_new_tokens):
+        toks = logits.argmax(-1).tolist()
+        keep = []
+        for j, (r, t) in enumerate(zip(alive, toks)):
+            ans = out[r]
+            ans.append(t)
+            done = t in eos or len(ans) >= max_new_tokens
+            if loop_ngram and not done and len(ans) >= loop_ngram:
+                g = tuple(ans[-loop_ngram:])
+                done = g in seen[r]
+                seen[r].add(g)
+            if not done:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(alive):
+            idx = torch.tensor(keep, device=mask.device)
+            cache.batch_select_indices(idx)
+            mask, pos = mask[idx], pos[idx]
+            alive = [alive[j] for j in keep]
+        step = torch.tensor([[out[r][-1]] for r in alive], device=mask.device)
+        mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+        logits = model(input_ids=step, attention_mask=mask, position_ids=pos, cache=cache,
+                       use_cache=True).logits[:, -1]
+        pos = pos + 1
+    return out
+
+
 @torch.inference_mode()
 def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tokens: int = 384,
                      max_new_tokens: int = 192, batch_size: int = 16, log=print, progress: bool = True,
-                     max_seconds: float | None = None) -> list[dict]:
+                     max_seconds: float | None = None, loop_ngram: int = 0, compact: bool = True) -> list[dict]:
     """Greedy answers of `target` (a LoadedModel) to `prompts`, appended to out_path as jsonl records
-    {"id", "source", "prompt_ids", "answer_ids"}; prompts already in the file are skipped. With
-    `max_seconds` no new batch starts after that much wall time (0: use the answers already in the file),
-    so a long self-distillation spreads over several runs."""
+    {"id", "source", "prompt_ids", "answer_ids", "end"}, end "eos", "loop" or "length" (`finish_answer`);
+    prompts already in the file are skipped. With `loop_ngram` n > 0 a row stops at its first repeated
+    n-gram. `compact` (the default) decodes with `greedy_compacting`, where a row that ended leaves the
+    batch; otherwise with transformers' `generate` and a `LoopStop` criterion, where an ended row runs on
+    as padding until every row of its batch ended (a batch of 32 then mostly waits for one answer that
+    runs to the cap). With `max_seconds` no new batch starts after that much wall time (0: use the
+    answers already in the file), so a long self-distillation spreads over several runs."""
     done = {r["id"] for r in read_jsonl(out_path)}
     todo = []
     for p in prompts:
@@ -180,12 +282,20 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
         for r, (_, ids) in enumerate(batch):  # left padding: every row ends at the same column
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             mask[r, width - len(ids):] = 1
-        gen = model.generate(input_ids=input_ids.to(target.device), attention_mask=mask.to(target.device),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+        input_ids, mask = input_ids.to(target.device), mask.to(target.device)
+        if compact:
+            rows = greedy_compacting(model, input_ids, mask, max_new_tokens, target.eos_token_ids, loop_ngram)
+        else:
+            stop = {}
+            if loop_ngram:
+                from transformers import StoppingCriteriaList
+
+                stop["stopping_criteria"] = StoppingCriteriaList([LoopStop(width, loop_ngram, len(batch))])
+            rows = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=pad, **stop)[:, width:].tolist()
         with out_path.open("a") as f:
             for r, (p, ids) in enumerate(batch):
-                ans = gen[r, width:].tolist()
-                cut = next((i for i, t in enumerate(ans) if t in target.eos_token_ids), None)
-                ans = ans[: cut + 1] if cut is not None else ans  # keep the EOS: the head learns to predict it
-                f.write(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": ids, "answer_ids": ans}) + "\n")
+                ans, end = finish_answer(rows[r], target.eos_token_ids, loop_ngram)
+                f.write(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": ids, "answer_ids": ans,
+                                    "end": end}) + "\n")
     return read_jsonl(out_path)

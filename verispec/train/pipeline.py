@@ -50,7 +50,8 @@ class TrainConfig:
                                      # were slower than float32 in transformers; docs/performance-notes.md)
     feature_backend: str = "hf"      # "fast": verispec's own forward extracts the features (extract.py)
     max_minutes: float | None = None # training time over all resumed runs; the learning rate anneals by then
-    loop_ngram: int = 16             # labels end where an answer starts repeating an earlier n-gram (0: never)
+    loop_ngram: int = 16             # an answer stops generating once it repeats an earlier n-gram, and its
+                                     # labels end where that repetition starts (0: neither)
     train_precision: str = "auto"    # the training forward's autocast: auto = bf16 where the CPU has bf16 units
     max_positions: int | None = None # train on the first feature shards up to this many positions (a
                                      # learning curve's point); its training state is kept apart
@@ -129,7 +130,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     prompts = training_prompts(data_dir, cfg.prompts, seed=cfg.seed)
     gen = dict(max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch,
                log=log, progress=cfg.progress and rank == 0,
-               max_seconds=cfg.gen_minutes * 60 if cfg.gen_minutes is not None else None)
+               max_seconds=cfg.gen_minutes * 60 if cfg.gen_minutes is not None else None, loop_ngram=cfg.loop_ngram)
     answers = work / "answers.jsonl"
     if world > 1:  # rank r answers prompts r, r + W, ... into its own part; rank 0 appends the parts in rank order
         have = {r["id"] for r in read_jsonl(answers)}
