@@ -54,7 +54,7 @@ def _command(kind: str):
         dtype: str = typer.Option("float32", "--dtype", help="Target dtype for data generation and features."),
         feature_backend: str = typer.Option("hf", "--feature-backend", help="hf (transformers) or fast (verispec's forward) for the feature pass."),
         max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this much training time in all (a resumed run counts the time before it; the learning rate anneals by then)."),
-        loop_ngram: int = typer.Option(16, "--loop-ngram", help="Train only on answer tokens before the answer repeats an earlier n-gram of this length (0: all)."),
+        loop_ngram: int = typer.Option(16, "--loop-ngram", help="Self-distillation stops an answer once it repeats an earlier n-gram of this length, and training uses only the tokens before the repeat (0: neither)."),
         train_precision: str = typer.Option("auto", "--train-precision", help="auto (bf16 autocast where the CPU has bf16 units), bfloat16 or float32."),
         heldout_share: float = typer.Option(0.05, "--heldout-share", help="Share of every source's answers held out, never trained on."),
         eval_prompts: int = typer.Option(4, "--eval-prompts", help="Held-out prompts per source in the held-out figures."),
