@@ -40,6 +40,11 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert torch.allclose(got, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
 
 
+def test_top_k_keeps_every_token_tied_at_the_kth_value():
+    got = logits_to_probs(torch.tensor([0.0, 0.0, 1.0, -1.0]), SamplingParams(temperature=1.0, top_k=2))
+    assert (got > 0).tolist() == [True, True, True, False]
+
+
 def test_top_p_always_keeps_the_top_token():
     got = logits_to_probs(torch.tensor([5.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_p=0.01))
     assert got.tolist() == [1.0, 0.0, 0.0]
@@ -53,8 +58,11 @@ def test_transform_is_a_distribution_on_a_subset_of_the_support(values, temperat
     assert math.isclose(float(p.sum()), 1.0, rel_tol=1e-5)
     assert (p >= 0).all()
     assert p[logits.argmax()] > 0  # the most likely token survives every filter
-    if 0 < top_k:
-        assert int((p > 0).sum()) <= max(top_k, int((logits == logits.max()).sum()))
+    if 0 < top_k:  # at most the tokens tied with or above the k-th largest (ties at the k-th are all kept,
+        # as transformers' top-k does: [0, 0, 1] with k = 2 keeps all three)
+        scaled = logits / temperature
+        kth = torch.topk(scaled, min(top_k, len(values))).values[-1]
+        assert int((p > 0).sum()) <= int((scaled >= kth).sum())
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(max_new_tokens=0)])
