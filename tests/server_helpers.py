@@ -71,3 +71,16 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def on_each_step(engine, before):
+    """The engine, calling before() at the start of each verification step however the server drives it
+    (Engine.propose is asked once per step, drafting or not): tests hold, slow down or count steps."""
+    propose = engine.propose
+
+    def hooked(*args, **kwargs):
+        before()
+        return propose(*args, **kwargs)
+
+    engine.propose = hooked
+    return engine

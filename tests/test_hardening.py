@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import loaded, tiny_llama
-from server_helpers import ServerThread, tiny_target, word_tokenizer
+from server_helpers import ServerThread, on_each_step, tiny_target, word_tokenizer
 from verispec import errors
 from verispec.api import build_engine, generate
 from verispec.server import ServerConfig, create_app
@@ -263,15 +263,7 @@ def test_queue_full_says_when_to_retry_and_keys_guard_metrics():  # defects 8, 1
     gate = threading.Event()
 
     def blocking(target, **options):
-        engine = build_engine(target, **options)
-        inner = engine.propose
-
-        def propose(*args, **kw):  # asked once per step, however the server drives the engine
-            gate.wait(20)
-            return inner(*args, **kw)
-
-        engine.propose = propose
-        return engine
+        return on_each_step(build_engine(target, **options), lambda: gate.wait(20))
 
     key = "k-123"
     config = ServerConfig(default_max_tokens=2, max_queue=0, timeout=60, api_key=key)

