@@ -5,7 +5,8 @@ features and training after generation.
 for several settings NGRAM:BATCH:DECODER, side by side in one process: loop-ngram 0 generates to EOS or
 the cap, 16 stops each answer at its first repeated 16-gram; decoder "generate" is transformers'
 generate (a batch runs until all its rows ended), "compact" data.greedy_compacting (an ended row leaves
-the batch). Each answer is checked to be a prefix of the same prompt's answer in the first setting.
+the batch), "engine" data.engine_answers (verispec's batched fast path; an ended row's place goes to the
+next prompt). Each answer is checked to be a prefix of the same prompt's answer in the first setting.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/selfdistil.py measure --prompts 32 --threads 1 \\
         --settings 0:32:generate 16:32:generate 16:32:compact --json results/cpu/selfdistil-loopstop.json
@@ -41,7 +42,7 @@ def main() -> None:
     ap.add_argument("mode", choices=["measure", "grow"])
     ap.add_argument("--prompts", type=int, default=32, help="measure: how many new prompts")
     ap.add_argument("--settings", nargs="+", default=["0:32:generate", "16:32:compact"],
-                    help="measure: loop-ngram:batch:decoder (generate or compact)")
+                    help="measure: loop-ngram:batch:decoder (engine, compact or generate)")
     ap.add_argument("--committed", default="train-data/smollm2-135m/answers.jsonl.gz",
                     help="answers whose prompts measure leaves out")
     ap.add_argument("--answers", default=None, help="grow: the jsonl file to append to")
@@ -49,16 +50,19 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=None, help="grow: no new batch starts after this long")
     ap.add_argument("--loop-ngram", type=int, default=16)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--decoder", default="compact", choices=["compact", "generate"], help="grow: the decoder")
+    ap.add_argument("--decoder", default="auto", help="grow: the decoder (auto, engine, compact or generate)")
     ap.add_argument("--max-prompt-tokens", type=int, default=640)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     a = parse(ap)
     import torch
 
     from verispec.models import load_model
-    from verispec.train.data import default_data_dir, generate_answers, training_prompts
+    from verispec.train.data import DECODERS, default_data_dir, generate_answers, training_prompts
     from verispec.train.extract import loop_free_length
 
+    for decoder in [a.decoder] + [x.split(":")[-1] for x in a.settings]:
+        if decoder not in DECODERS:
+            ap.error(f"unknown decoder '{decoder}'; use one of {', '.join(DECODERS)}")
     target = load_model(a.model, dtype=a.dtype)
     data_dir = default_data_dir()
     common = dict(max_prompt_tokens=a.max_prompt_tokens, max_new_tokens=a.max_new_tokens)
@@ -70,7 +74,7 @@ def main() -> None:
         t0 = time.perf_counter()
         recs = generate_answers(target, training_prompts(data_dir, a.pool), out, batch_size=a.batch,
                                 max_seconds=a.minutes * 60 if a.minutes is not None else None,
-                                loop_ngram=a.loop_ngram, compact=a.decoder == "compact", **common)
+                                loop_ngram=a.loop_ngram, decoder=a.decoder, **common)
         hours = (time.perf_counter() - t0) / 3600
         print(f"grow: {len(recs) - before} new answers in {hours * 60:.1f} min, {len(recs)} in {out}", flush=True)
         return
@@ -86,12 +90,10 @@ def main() -> None:
     for setting in a.settings:
         n, batch, decoder = setting.split(":")
         n, batch = int(n), int(batch)
-        if decoder not in ("compact", "generate"):
-            ap.error(f"unknown decoder '{decoder}' in {setting}; use compact or generate")
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             recs = generate_answers(target, prompts, Path(tmp) / "a.jsonl", batch_size=batch, progress=False,
-                                    loop_ngram=n, compact=decoder == "compact", log=lambda m: None, **common)
+                                    loop_ngram=n, decoder=decoder, log=lambda m: None, **common)
             sec = time.perf_counter() - t0
         ends = {e: sum(r["end"] == e for r in recs) for e in ("eos", "loop", "length")}
         run = {"loop_ngram": n, "batch": batch, "decoder": decoder, "answers": len(recs), "seconds": round(sec, 1),

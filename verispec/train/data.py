@@ -235,18 +235,91 @@ def greedy_compacting(model, input_ids: torch.Tensor, mask: torch.Tensor, max_ne
     return out
 
 
+DECODERS = ("auto", "engine", "compact", "generate")
+
+
+def engine_answers(target, todo: list[tuple[dict, list[int]]], write, max_new_tokens: int, batch_size: int,
+                   loop_ngram: int = 0, deadline: float | None = None, progress: bool = True) -> int:
+    """Greedy answers on verispec's own engine (batch.Batch over fast-path runners, exact mode), continuous:
+    up to batch_size sequences share every target forward, and the place of one that ended goes to the
+    next prompt at once. Exact mode makes each answer the one its prompt gets alone, bit for bit, whatever
+    shares its forwards. write(prompt, prompt_ids, answer_ids, end) as each answer ends (`finish_answer`'s rule: a
+    row stops at its first EOS, repeated loop_ngram-gram or max_new_tokens); no prompt starts after
+    `deadline` (time.perf_counter()). -> the number of prompts started."""
+    from verispec.backends import make_runner
+    from verispec.batch import Batch
+    from verispec.engine import Engine
+    from verispec.types import SamplingParams
+
+    longest = max((len(ids) for _, ids in todo), default=0) + max_new_tokens + 1
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    free = [Engine.for_model(target, None, backend="fast",
+                             runner=make_runner(target.model, "fast", capacity=longest, exact=True))
+            for _ in range(min(batch_size, len(todo)))]
+    batch, queue, owner = Batch(max_batch=max(1, len(free))), list(todo), {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="self-distillation", unit="answer")
+
+    def ended(run) -> None:
+        prompt = owner.pop(id(run))[1]
+        tokens = run.out.context[len(run.prompt_ids):]  # what it committed, its EOS included
+        write(prompt, run.prompt_ids, *finish_answer(tokens[:max_new_tokens], target.eos_token_ids, loop_ngram))
+        if bar is not None:
+            bar.update(1)
+
+    started = 0
+    while queue or batch.active:
+        while queue and free and (deadline is None or time.perf_counter() < deadline):
+            prompt, ids = queue.pop(0)
+            engine = free.pop()
+            run = batch.add(engine, ids, params)
+            owner[id(run)] = (engine, prompt, set())
+            started += 1
+            if run.finished:
+                free.append(owner[id(run)][0])
+                ended(run)
+        if deadline is not None and time.perf_counter() >= deadline:
+            queue.clear()
+        if not batch.active:
+            continue
+        for run, _ in batch.step():
+            engine, _, seen = owner[id(run)]
+            if loop_ngram and not run.finished:  # one token a step: the newest n-gram is the only new one
+                gram = tuple(run.out.out[-loop_ngram:])
+                if len(gram) == loop_ngram:
+                    if gram in seen:
+                        batch.cancel(run)
+                    seen.add(gram)
+            if run.finished:
+                free.append(engine)
+                ended(run)
+    if bar is not None:
+        bar.close()
+    return started
+
+
 @torch.inference_mode()
 def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tokens: int = 384,
                      max_new_tokens: int = 192, batch_size: int = 16, log=print, progress: bool = True,
-                     max_seconds: float | None = None, loop_ngram: int = 0, compact: bool = True) -> list[dict]:
+                     max_seconds: float | None = None, loop_ngram: int = 0, decoder: str = "auto") -> list[dict]:
     """Greedy answers of `target` (a LoadedModel) to `prompts`, appended to out_path as jsonl records
     {"id", "source", "prompt_ids", "answer_ids", "end"}, end "eos", "loop" or "length" (`finish_answer`);
     prompts already in the file are skipped. With `loop_ngram` n > 0 a row stops at its first repeated
-    n-gram. `compact` (the default) decodes with `greedy_compacting`, where a row that ended leaves the
-    batch; otherwise with transformers' `generate` and a `LoopStop` criterion, where an ended row runs on
-    as padding until every row of its batch ended (a batch of 32 then mostly waits for one answer that
-    runs to the cap). With `max_seconds` no new batch starts after that much wall time (0: use the
-    answers already in the file), so a long self-distillation spreads over several runs."""
+    n-gram. decoder: "engine" (`engine_answers`: verispec's batched fast path, continuous admission),
+    "compact" (`greedy_compacting` on transformers: a row that ended leaves its batch, the batch is not
+    refilled), "generate" (transformers' `generate` with a `LoopStop` criterion: an ended row runs on as
+    padding until every row of its batch ended), "auto": engine where the family has a fast module, else
+    compact. With `max_seconds` no new batch (engine: no new prompt) starts after that much wall time (0:
+    use the answers already in the file), so a long self-distillation spreads over several runs."""
+    from verispec.fast import supports
+
+    if decoder not in DECODERS:
+        raise ValueError(f"unknown decoder '{decoder}'; use one of {', '.join(DECODERS)}")
+    if decoder == "auto":
+        decoder = "engine" if supports(target.model) else "compact"
     done = {r["id"] for r in read_jsonl(out_path)}
     todo = []
     for p in prompts:
@@ -255,6 +328,22 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
         ids = target.encode(chat=p["text"])
         if len(ids) <= max_prompt_tokens:
             todo.append((p, ids))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if decoder == "engine":
+        t0 = time.perf_counter()
+        with out_path.open("a") as f:
+            def write(p, ids, ans, end):
+                f.write(json.dumps({"id": p["id"], "source": p["source"], "prompt_ids": ids, "answer_ids": ans,
+                                    "end": end}) + "\n")
+                f.flush()  # an interrupted run keeps every answer that ended
+
+            started = engine_answers(target, todo, write, max_new_tokens,
+                                     batch_size, loop_ngram, None if max_seconds is None else t0 + max_seconds,
+                                     progress)
+        if started < len(todo):
+            log(f"self-distillation: time budget reached with {len(todo) - started} of {len(todo)} prompts left; "
+                "a later run resumes them")
+        return read_jsonl(out_path)
     # similar lengths per batch: less padding
     todo.sort(key=lambda x: len(x[1]))
     batches = [todo[i:i + batch_size] for i in range(0, len(todo), batch_size)]
@@ -264,7 +353,6 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
     if pad is None:  # any id will do: padded columns are masked and cut off
         pad = min(target.eos_token_ids) if target.eos_token_ids else 0
     eos = sorted(target.eos_token_ids) or None
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     it = batches
     if progress:
         from tqdm import tqdm
@@ -283,7 +371,7 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
             input_ids[r, width - len(ids):] = torch.tensor(ids)
             mask[r, width - len(ids):] = 1
         input_ids, mask = input_ids.to(target.device), mask.to(target.device)
-        if compact:
+        if decoder == "compact":
             rows = greedy_compacting(model, input_ids, mask, max_new_tokens, target.eos_token_ids, loop_ngram)
         else:
             stop = {}

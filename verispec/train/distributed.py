@@ -51,7 +51,11 @@ def init(device: str = "cpu") -> str:
 
 
 def close() -> None:
+    """Leave the group together: every rank waits at a barrier before destroying it, so no rank tears down
+    its gloo connections while a peer still talks on them, and the group is gone before the interpreter
+    exits (gloo's threads outliving it abort the process, as a 2-process CI run once did)."""
     if active():
+        dist.barrier()
         dist.destroy_process_group()
 
 
