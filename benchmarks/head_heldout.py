@@ -18,7 +18,7 @@ from _common import options, parse, write_json
 
 def main() -> None:
     ap = options(__doc__, dtype="bfloat16", threads=None, json=True)
-    ap.add_argument("--kind", default="eagle", choices=["eagle", "medusa"])
+    ap.add_argument("--kind", default="eagle", choices=["eagle", "medusa", "dflash"])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--head", default=None, help="a head folder (default: the shipped head)")
     ap.add_argument("--bench", type=int, default=4, help="Spec-Bench questions per task")
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--per-source", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     a = parse(ap)
+    from verispec.drafters.dflash import load_block_drafter
     from verispec.drafters.eagle import load_eagle_head
     from verispec.drafters.medusa import load_medusa_heads
     from verispec.bench.environment import environment
@@ -34,10 +35,13 @@ def main() -> None:
     from verispec.train.evaluate import eval_sets, evaluate_head
 
     target = load_model(a.target, dtype=a.dtype)
-    module = (load_eagle_head if a.kind == "eagle" else load_medusa_heads)(target, a.head)
+    load = {"eagle": load_eagle_head, "medusa": load_medusa_heads, "dflash": load_block_drafter}[a.kind]
+    module = load(target, a.head)
     heldout = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))[1] if a.work else None
     sets = eval_sets(target, heldout, a.per_source, a.bench)
-    fig = evaluate_head(target, a.kind, module, sets, max_new_tokens=a.tokens)
+    # the block drafter's chain is its whole block, drafted in one forward (as verispec train evaluates it)
+    chain = {"draft_length": module.config["block_size"] - 1} if a.kind == "dflash" else {}
+    fig = evaluate_head(target, a.kind, module, sets, max_new_tokens=a.tokens, **chain)
     out = {"head": a.head or "shipped", "trained_on": module.config.get("training", {}).get("sequences"), **fig,
            "environment": environment(target)}
     write_json(out, a.json)
