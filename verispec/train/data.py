@@ -6,9 +6,10 @@ the long prompts that Spec-Bench's summarization and rag tasks bring; evaluation
 MT-Bench, GSM8K test, HumanEval) are never read here. A fixed slice of ShareGPT_V3_filtered_500 is never
 used (`heldout_prompts`), and `split_heldout` holds back a share of every source's answered records.
 
-Answers are written batch by batch to a jsonl file; a rerun skips the prompts already answered. With
-`loop_ngram` n an answer ends at its first repetition loop: once its last n tokens occurred earlier in it,
-the row stops generating (`LoopStop`) and the answer keeps the text up to the loop plus the one repeated
+Answers are decoded many at a time (on verispec's own batched engine where the family has a fast module,
+`engine_answers`; else transformers) and appended to a jsonl file; a rerun skips the prompts already
+answered. With `loop_ngram` n an answer ends at its first repetition loop: once its last n tokens occurred
+earlier in it, the row stops generating and the answer keeps the text up to the loop plus the one repeated
 n-gram, so `extract.loop_free_length` still finds where the loop starts and training labels end at the same
 token as on the uncut answer; the 135M model's loops otherwise run on to the length cap.
 """
@@ -314,10 +315,11 @@ def generate_answers(target, prompts: list[dict], out_path: Path, max_prompt_tok
     padding until every row of its batch ended), "auto": engine where the family has a fast module, else
     compact. With `max_seconds` no new batch (engine: no new prompt) starts after that much wall time (0:
     use the answers already in the file), so a long self-distillation spreads over several runs."""
+    from verispec.errors import InvalidParameter
     from verispec.fast import supports
 
     if decoder not in DECODERS:
-        raise ValueError(f"unknown decoder '{decoder}'; use one of {', '.join(DECODERS)}")
+        raise InvalidParameter(f"unknown decoder '{decoder}'; use one of {', '.join(DECODERS)}")
     if decoder == "auto":
         decoder = "engine" if supports(target.model) else "compact"
     done = {r["id"] for r in read_jsonl(out_path)}
