@@ -388,6 +388,10 @@ def test_self_distillation_time_budget_resumes(tiny, tmp_path, monkeypatch):
     assert generate_answers(tiny, prompts[:2], out, **kw) and len(generate_answers(tiny, prompts, out, max_seconds=0, **kw)) == 2
     done = generate_answers(tiny, prompts, out, **kw)
     assert sorted(r["id"] for r in done) == [str(i) for i in range(6)]
+    from verispec.errors import InvalidParameter
+
+    with pytest.raises(InvalidParameter, match="unknown decoder 'beam'; use one of auto, engine"):
+        generate_answers(tiny, prompts, out, decoder="beam", **kw)
 
 
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="mallopt thresholds exist only in glibc's allocator (musl, macOS: nothing to set)")
