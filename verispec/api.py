@@ -121,7 +121,7 @@ def generate_batch(target, prompts: list[str] | None = None, *, chats: list | No
     batch.free_positions). Other options as in generate(); with a
     seed, prompt i samples with seed + i. Greedy outputs are each prompt's generate() output (exact mode:
     bit for bit)."""
-    from verispec.batch import Batch
+    from verispec.batch import Batch, continuous
     from verispec.models import load_model
 
     if isinstance(target, str):
@@ -132,24 +132,12 @@ def generate_batch(target, prompts: list[str] | None = None, *, chats: list | No
     seed = kwargs.pop("seed", None)
     ids = [target.encode(prompt=p) for p in prompts] if prompts is not None else [target.encode(chat=c) for c in chats]
     params = [_params(seed=None if seed is None else seed + i, **kwargs) for i in range(len(ids))]
-    free = [build_engine(target, **opts) for _ in range(min(max_batch, len(ids)))]  # an engine per slot, reused
+    free = [build_engine(target, **opts) for _ in range(min(max_batch, len(ids)))]  # an engine per place, reused
     cost = None
     if positions == "auto":
         from verispec.tree import measure_verify_cost
 
         positions, cost = None, measure_verify_cost(free[0].runner) if free else None
     batch = Batch(max_batch=max_batch, positions=positions, cost=cost)
-    runs, owner, todo = [None] * len(ids), {}, list(range(len(ids)))
-    while todo or batch.active:
-        while todo and free:
-            i = todo.pop(0)
-            engine = free.pop()
-            runs[i] = batch.add(engine, ids[i], params[i])
-            if runs[i].finished:
-                free.append(engine)
-            else:
-                owner[id(runs[i])] = engine
-        for run, _ in batch.step():
-            if run.finished:
-                free.append(owner.pop(id(run)))
-    return [run.result() for run in runs]
+    runs = dict(continuous(batch, free, [(i, ids[i], params[i]) for i in range(len(ids))]))
+    return [runs[i].result() for i in range(len(ids))]

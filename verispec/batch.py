@@ -8,6 +8,9 @@
             ...
     generation = run.result()
 
+    for key, run in continuous(batch, engines, [(key, prompt_ids, params), ...]):   # a queue of jobs on a
+        ...                                        # pool of engines: a freed engine takes the next job at once
+
 A step: every sequence plans its nodes (`Decoding.plan`: its own drafter, draft length, tree), the
 target scores all of them together (`backends.forward_many`: on the fast backend one pass over every
 sequence's rows, the projections and the MLP as one GEMM, attention per sequence over its own cache),
@@ -31,7 +34,7 @@ bit-identical whatever shares its batch and whenever it joined.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Hashable, Iterator
 
 from verispec.backends import forward_many
 from verispec.engine import Decoding, Engine
@@ -142,3 +145,29 @@ class Batch:
             if run.finished:
                 self._leave(run)
         return report
+
+
+
+def continuous(batch: Batch, engines: list[Engine], jobs: list[tuple[Hashable, list[int], SamplingParams]],
+               admit: Callable[[], bool] | None = None) -> Iterator[tuple[Hashable, Decoding]]:
+    """Run jobs (key, prompt_ids, params) through `batch` on a pool of engines, continuous: a job starts, in
+    order, as soon as an engine is free of active runs and admit() (None: always) allows; the jobs left
+    when it stops allowing are dropped. Yields (key, run) for every run after each step it took, and for a
+    run that finished in its prefill; the caller may batch.cancel(run) then, and its engine is free for
+    the next job. (api.generate_batch and train.data.engine_answers run on it.)"""
+    if jobs and not engines:
+        raise InvalidParameter("continuous batching needs at least one engine")
+    queue, keys = list(jobs), {}
+    while queue or batch.active:
+        idle = [e for e in engines if all(r.engine is not e for r in batch.active)]
+        while queue and idle and not batch.full and (admit is None or admit()):
+            key, ids, params = queue.pop(0)
+            run = batch.add(idle.pop(), ids, params)
+            keys[id(run)] = key
+            if run.finished:
+                yield key, run
+        if admit is not None and not admit():
+            queue.clear()
+        for run, _ in batch.step() if batch.active else []:
+            yield keys[id(run)], run
+        keys = {id(r): keys[id(r)] for r in batch.active}

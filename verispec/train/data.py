@@ -248,58 +248,41 @@ def engine_answers(target, todo: list[tuple[dict, list[int]]], write, max_new_to
     row stops at its first EOS, repeated loop_ngram-gram or max_new_tokens); no prompt starts after
     `deadline` (time.perf_counter()). -> the number of prompts started."""
     from verispec.backends import make_runner
-    from verispec.batch import Batch
+    from verispec.batch import Batch, continuous
     from verispec.engine import Engine
     from verispec.types import SamplingParams
 
     longest = max((len(ids) for _, ids in todo), default=0) + max_new_tokens + 1
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    free = [Engine.for_model(target, None, backend="fast",
-                             runner=make_runner(target.model, "fast", capacity=longest, exact=True))
-            for _ in range(min(batch_size, len(todo)))]
-    batch, queue, owner = Batch(max_batch=max(1, len(free))), list(todo), {}
+    engines = [Engine.for_model(target, None, backend="fast",
+                                runner=make_runner(target.model, "fast", capacity=longest, exact=True))
+               for _ in range(min(batch_size, len(todo)))]
+    jobs = [(n, ids, params) for n, (_, ids) in enumerate(todo)]
+    admit = None if deadline is None else (lambda: time.perf_counter() < deadline)
+    seen: dict[int, set[tuple[int, ...]]] = {}  # per answer: its n-grams so far
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), desc="self-distillation", unit="answer")
-
-    def ended(run) -> None:
-        prompt = owner.pop(id(run))[1]
-        tokens = run.out.context[len(run.prompt_ids):]  # what it committed, its EOS included
-        write(prompt, run.prompt_ids, *finish_answer(tokens[:max_new_tokens], target.eos_token_ids, loop_ngram))
-        if bar is not None:
-            bar.update(1)
-
-    started = 0
-    while queue or batch.active:
-        while queue and free and (deadline is None or time.perf_counter() < deadline):
-            prompt, ids = queue.pop(0)
-            engine = free.pop()
-            run = batch.add(engine, ids, params)
-            owner[id(run)] = (engine, prompt, set())
-            started += 1
-            if run.finished:
-                free.append(owner[id(run)][0])
-                ended(run)
-        if deadline is not None and time.perf_counter() >= deadline:
-            queue.clear()
-        if not batch.active:
-            continue
-        for run, _ in batch.step():
-            engine, _, seen = owner[id(run)]
-            if loop_ngram and not run.finished:  # one token a step: the newest n-gram is the only new one
-                gram = tuple(run.out.out[-loop_ngram:])
-                if len(gram) == loop_ngram:
-                    if gram in seen:
-                        batch.cancel(run)
-                    seen.add(gram)
-            if run.finished:
-                free.append(engine)
-                ended(run)
+    batch, started = Batch(max_batch=max(1, len(engines))), set()
+    for n, run in continuous(batch, engines, jobs, admit):
+        started.add(n)
+        if loop_ngram and not run.finished:  # one token a step: the newest n-gram is the only new one
+            gram = tuple(run.out.out[-loop_ngram:])
+            if len(gram) == loop_ngram:
+                if gram in seen.setdefault(n, set()):
+                    batch.cancel(run)
+                seen[n].add(gram)
+        if run.finished:
+            seen.pop(n, None)
+            tokens = run.out.context[len(run.prompt_ids):]  # what it committed, its EOS included
+            write(todo[n][0], run.prompt_ids, *finish_answer(tokens[:max_new_tokens], target.eos_token_ids, loop_ngram))
+            if bar is not None:
+                bar.update(1)
     if bar is not None:
         bar.close()
-    return started
+    return len(started)
 
 
 @torch.inference_mode()
