@@ -24,4 +24,6 @@ fi
 # the fast path's native layer step (verispec/fast/native.py), built once here so that the first run does
 # not wait for the compiler; without a C++ compiler the Python step runs
 .venv/bin/python -c "from verispec.fast import native; print('fast path layer step:', native.status())"
+# and the 4/8-bit kernel of the quantized weights (verispec/fast/qmm.py; AVX-512 VNNI CPUs, else PyTorch's)
+.venv/bin/python -c "from verispec.fast import qmm; print('quantized weights kernel:', qmm.available() or 'qmm')"
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"

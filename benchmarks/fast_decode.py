@@ -98,14 +98,13 @@ def forward_cost(runner, context: list[int], n: int, repeat: int, mode=None) -> 
 
 def llamacpp(target, threads: int):
     """llama.cpp (llama-cpp-python, an optional extra: pip install -e .[llamacpp]) on the same GGUF, or why not."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    from verispec.bench.baselines import llamacpp_available, load_llamacpp
+
+    if not llamacpp_available():
         return "not run (llama-cpp-python is not installed: pip install -e .[llamacpp])"
     if target.gguf_path is None:
         return "not run (the model has no GGUF file)"
-    return Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
-                 verbose=False)
+    return load_llamacpp(target.gguf_path, 1024, threads)
 
 
 def llamacpp_round(llm, ids: list[int], ctx: list[int], args) -> dict:

@@ -1,4 +1,4 @@
-"""Where a quantized format's passes should switch to the dense copy of its weights (quant.WIDE_ROWS).
+"""Where a quantized format's passes should switch to the dense copy of its weights (quant.wide_rows).
 
 For each format, one forward over n new positions after a 200-token context, outside exact mode, on the
 weight-only kernels (wide=False) and on the dense packed bf16 weights (what the dense copy runs), side by

@@ -102,7 +102,7 @@ class FastRunner:
         weights: "bf16" (dense), "q8", "q4" (fast/quant.py), or None / "auto" (quant.resolve);
         weight_source: name -> a file's own weights (models/gguf_weights.py), None: the model's.
         wide: quantized weights keep a dense copy for prefill and for passes outside exact mode of
-        quant.WIDE_ROWS rows or more (FastDecoder); False saves its memory.
+        quant.wide_rows(fmt) rows or more (FastDecoder); False saves its memory.
         native: eager passes run the layers through native.py's C++ step where it is built (the same
         operations as core.layer_step, so the same bits); False: the Python step."""
         from verispec.fast import quant

@@ -186,6 +186,16 @@ def _extra_buffer_types(on: bool):
         binding.llama_cpp.llama_model_default_params = defaults
 
 
+def load_llamacpp(gguf_path, n_ctx: int, threads: int | None, **options):
+    """llama_cpp.Llama on a GGUF file, quiet, with the extra buffer types unless
+    VERISPEC_LLAMACPP_EXTRA_BUFTS=0 (see _extra_buffer_types)."""
+    import llama_cpp
+
+    with _extra_buffer_types(os.environ.get("VERISPEC_LLAMACPP_EXTRA_BUFTS", "1") != "0"):
+        return llama_cpp.Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                               verbose=False, **options)
+
+
 class LlamaCppContender:
     """llama.cpp on the model's GGUF file (the quantized original, so outputs may differ from the
     dequantized transformers model: a baseline for speed, not for exactness)."""
@@ -193,8 +203,6 @@ class LlamaCppContender:
     kind = "baseline"
 
     def __init__(self, target, label: str = "llamacpp", prompt_lookup: int | None = None, threads: int | None = None):
-        import llama_cpp
-
         if target.gguf_path is None:
             raise InvalidParameter(f"llama.cpp needs a GGUF file; {target.name} was not loaded from one")
         draft = None
@@ -203,9 +211,7 @@ class LlamaCppContender:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup)
         self.label = label
-        with _extra_buffer_types(os.environ.get("VERISPEC_LLAMACPP_EXTRA_BUFTS", "1") != "0"):
-            self.llm = llama_cpp.Llama(model_path=str(target.gguf_path), n_ctx=min(target.context_length, 4096),
-                                       n_threads=threads, draft_model=draft, verbose=False)
+        self.llm = load_llamacpp(target.gguf_path, min(target.context_length, 4096), threads, draft_model=draft)
         self.eos = {int(self.llm.token_eos())} | set(target.eos_token_ids)
         self.options = {"gguf": str(target.gguf_path), "prompt_lookup": prompt_lookup}
 

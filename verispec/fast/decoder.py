@@ -48,7 +48,7 @@ class FastDecoder:
         transformers parameter names each projection is made of (wqkv: q, k, v); weight_source(name) ->
         quant.Groups, a float32 tensor or None (the file's own weights; None: the model's). wide: quantized
         formats keep a dense copy of their weights (dequantized, bfloat16, packed) for passes of at least
-        quant.WIDE_ROWS rows that may round otherwise than plain decoding (prefill, passes outside exact
+        quant.wide_rows(fmt) rows that may round otherwise than plain decoding (prefill, passes outside exact
         mode): the weight-only kernels' cost grows with the rows, the dense GEMM's hardly. Costs the
         memory of the dense weights again."""
         self.arch = arch
@@ -78,7 +78,7 @@ class FastDecoder:
             # shape -> the formats its weights got (layers may differ: a file's mixed tensor types); the
             # row-invariance probe runs every (shape, format) pair the forward runs
             self._kinds: dict[tuple, set[str]] = {}
-            self.wide_rows = quant.WIDE_ROWS.get(self.weights) if wide else None
+            self.wide_rows = quant.wide_rows(self.weights) if wide else None
             dense_layers = []
             for i, lw in enumerate(layers):
                 got = {k: self._quantize(t, names[i][k] if names else (), weight_source)
@@ -120,7 +120,7 @@ class FastDecoder:
         else:
             src, fmt = dense, self.weights
         q = quant.prepare(src, fmt, self.dtype)
-        self._kinds.setdefault(tuple(dense.shape), set()).add("q4" if isinstance(q, quant.Int4) else "q8")
+        self._kinds.setdefault(tuple(dense.shape), set()).add("q4" if quant.is_int4(q) else "q8")
         return q, quant.dequantized(src, q) if self.wide_rows else None
 
     def streamed_bytes(self) -> int:

@@ -11,7 +11,7 @@ its operations likewise issued from C++). A pass is one native call for all laye
 `attn_in` / `attn_out` around canonical.attention) per layer.
 
 What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
-are packed oneDNN weights, int4 / int8 weight-only ones or plain ones (F.linear); anything else (Gemma 3,
+are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones (F.linear); anything else (Gemma 3,
 Qwen3, packed.py's bf16 hybrid of AVX2 CPUs) runs core.layer_step. Built on first use with
 torch.utils.cpp_extension (a C++ compiler is needed; setup.sh builds it once); where the build fails
 or VERISPEC_NATIVE=0 the Python step runs, and `status()` says why.
@@ -31,7 +31,7 @@ from verispec.fast import packed, quant
 log = logging.getLogger(__name__)
 
 # projection kinds (the C++ dispatches on them): how packed.py / quant.py store and apply a weight
-PACKED, INT4, INT8, PLAIN = 0, 1, 2, 3
+PACKED, INT4, INT8, PLAIN, QMM = 0, 1, 2, 3, 4
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -39,7 +39,7 @@ _SOURCE = r"""
 
 namespace {
 
-constexpr int64_t PACKED = 0, INT4 = 1, INT8 = 2, PLAIN = 3;
+constexpr int64_t PACKED = 0, INT4 = 1, INT8 = 2, PLAIN = 3, QMM = 4;
 constexpr int64_t MIN_ROWS = 4;   // packed.MIN_ROWS
 constexpr int64_t GROUP = 32;     // quant.GROUP
 
@@ -60,6 +60,12 @@ at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w0, const
     return raw_packed(at::constant_pad_nd(x, {0, 0, 0, MIN_ROWS - m}, 0), w0, b).slice(0, 0, m);
   }
   if (kind == PLAIN) return at::linear(x, w0, b);
+  if (kind == QMM) {  // qmm.py's kernel, registered by its own extension (loaded before a weight of this kind exists)
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::qmm", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    at::Tensor y = op.call(x, w0, w1);
+    return b.has_value() ? y + *b : y;
+  }
   at::Tensor y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(x, w0, GROUP, w1) : at::_weight_int8pack_mm(x, w0, w1);
   return b.has_value() ? y + *b : y;
 }
@@ -239,6 +245,8 @@ def kind_of(linear, w) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     if linear is _PACKED_LINEAR:
         return PACKED, w, empty
     if linear is _QUANT_LINEAR:
+        if isinstance(w, quant.qmm.QWeight):
+            return QMM, w.w, w.sc
         return (INT4, w.packed, w.sz) if isinstance(w, quant.Int4) else (INT8, w.q, w.scale)
     if linear is _PLAIN_LINEAR:
         return PLAIN, w, empty

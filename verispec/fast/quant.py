@@ -16,8 +16,11 @@ the rounding of d and m + 8 d to bfloat16 (`effective()` gives the float32 weigh
 by; tests/test_quant.py bounds its distance to the GGUF's float32 dequantization). Activations stay
 in bfloat16: the int4 kernel is far slower with float32 ones (docs/performance-notes.md).
 
-`available(fmt)` probes that a kernel exists and computes what its convention says; where not, the
-decoder falls back to the dense weights and says so (decoder.py).
+Where the CPU has AVX-512 VNNI, both formats run qmm.py's kernel instead (the same groups with their
+float32 scales, activations rounded to 8 bits per group, cost nearly flat in the rows, bits independent
+of the rows); elsewhere PyTorch's kernels above. `available(fmt)` probes that the kernel `prepare`
+chooses exists and computes what its convention says; where not, the decoder falls back to the dense
+weights and says so (decoder.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from verispec.fast import qmm
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +74,8 @@ def requantize_groups(w: torch.Tensor) -> Groups:
     """Dense [N, K] -> 4-bit min/max groups (the Q4_1 recipe), for weights that come without blocks."""
     g = w.float().reshape(w.shape[0], -1, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
-    d = (hi - lo) / 15
+    d = ((hi - lo) / 15).half().float()  # float16 scales, as a GGUF stores them
+    lo = lo.half().float()
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(w.shape)
     return Groups(q, d, lo)
@@ -110,30 +116,50 @@ def effective(w: Int4 | Int8, groups: Groups | None = None) -> torch.Tensor:
     return (groups.q.float() - 8) * s + z
 
 
-def prepare(src: torch.Tensor | Groups, fmt: str, dtype: torch.dtype) -> Int4 | Int8:
+def prepare(src: torch.Tensor | Groups, fmt: str, dtype: torch.dtype) -> Int4 | Int8 | qmm.QWeight:
     """One weight for format `fmt`: Groups (a GGUF's 4-bit blocks) or a dense tensor (float32 where the
-    model was dequantized from a file: requantizing rounded bfloat16 values would add an error)."""
-    if isinstance(src, Groups):
-        n, k = src.q.shape
-        if fmt == "q4" and int4_fits(n, k):
-            return to_int4(src, dtype)
-        return to_int8(src.dense(), dtype)
-    n, k = src.shape
-    if fmt == "q4" and int4_fits(n, k):
-        return to_int4(requantize_groups(src), dtype)
-    return to_int8(src, dtype)
+    model was dequantized from a file: requantizing rounded bfloat16 values would add an error). On
+    qmm.py's kernel where it runs here and the shape fits, else on PyTorch's."""
+    n, k = src.q.shape if isinstance(src, Groups) else src.shape
+    four = fmt == "q4" and int4_fits(n, k)
+    if four:
+        g = src if isinstance(src, Groups) else requantize_groups(src)
+        return qmm.pack4(g.q, g.d, g.m) if _qmm_fits(n, k) else to_int4(g, dtype)
+    w8 = to_int8(src.dense() if isinstance(src, Groups) else src, dtype)
+    return qmm.pack8(w8.q, w8.scale) if _qmm_fits(n, k) else w8
 
 
-def dequantized(src: torch.Tensor | Groups, w: Int4 | Int8) -> torch.Tensor:
+def _qmm_fits(n: int, k: int) -> bool:
+    return qmm.fits(n, k) and qmm.available() is None
+
+
+def is_int4(w: Int4 | Int8 | qmm.QWeight) -> bool:
+    return isinstance(w, Int4) or (isinstance(w, qmm.QWeight) and w.int4)
+
+
+def shape(w: Int4 | Int8 | qmm.QWeight) -> tuple[int, int]:
+    """(N, K) of a prepared weight."""
+    if isinstance(w, qmm.QWeight):
+        return w.w.shape[0] * qmm.BLOCK, w.w.shape[1] * GROUP
+    if isinstance(w, Int4):
+        return w.sz.shape[1], w.sz.shape[0] * GROUP
+    return tuple(w.q.shape)
+
+
+def dequantized(src: torch.Tensor | Groups, w: Int4 | Int8 | qmm.QWeight) -> torch.Tensor:
     """The float32 [N, K] weight `w` multiplies by, where `w` = prepare(src, ...)."""
+    if isinstance(w, qmm.QWeight):
+        return qmm.dense(w)
     if isinstance(w, Int8):
         return effective(w)
     return effective(w, src if isinstance(src, Groups) else requantize_groups(src))
 
 
-def linear(x: torch.Tensor, w: Int4 | Int8, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, N] on the weight-only kernel of w's format."""
-    if isinstance(w, Int4):
+def linear(x: torch.Tensor, w: Int4 | Int8 | qmm.QWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] on the kernel of w's format."""
+    if isinstance(w, qmm.QWeight):
+        y = qmm.linear(x, w)
+    elif isinstance(w, Int4):
         y = torch._weight_int4pack_mm_for_cpu(x, w.packed, GROUP, w.sz)
     else:
         y = torch._weight_int8pack_mm(x, w.q, w.scale)
@@ -151,11 +177,11 @@ def available(fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(32, 64, generator=g)
         x = torch.randn(5, 64, generator=g).to(dtype)
-        groups = requantize_groups(w) if fmt == "q4" else None
-        qw = to_int4(groups, dtype) if fmt == "q4" else to_int8(w, dtype)
-        want = x.float() @ effective(qw, groups).T
+        qw = prepare(w, fmt, dtype)  # the kernel the model's weights will run
+        # qmm's convention includes the activations' 8-bit groups
+        want = qmm.reference(x, qw) if isinstance(qw, qmm.QWeight) else x.float() @ dequantized(w, qw).T
         got = linear(x, qw).float()
-        if not torch.allclose(got, want, atol=0.05, rtol=0.02):
+        if not torch.allclose(got, want.float(), atol=0.05, rtol=0.02):
             return f"the {fmt} kernel disagrees with its own convention on a probe"
     except (RuntimeError, AttributeError) as exc:
         return f"the {fmt} kernel is missing in this torch build ({str(exc).splitlines()[0][:80]})"
@@ -178,13 +204,20 @@ def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_
 
 # Passes of at least this many rows run a dense copy of the quantized weights (their dequantization rounded
 # to bfloat16, packed as the bf16 format packs its weights), where the dense GEMM costs less than the
-# weight-only kernel, whose cost grows about linearly with the rows (it dequantizes every weight again for
-# each small block of rows) while the dense one stays flat to 32 rows; chosen where the formats' forwards
-# cross over the dense one's, side by side (results/cpu/fast_decode_weights_amx_1thread.json: q4 below bf16
-# at 4 positions, even at 8; q8 below at 4, above at 8); benchmarks/wide_rows.py measures the crossover
-# directly. Only passes whose rows may round otherwise than plain decoding's run it: prefill, and every
-# pass outside exact mode (decoder.py).
+# quantized kernel, whose cost grows with the rows while the dense one stays flat to 32 rows. PyTorch's
+# kernels dequantize every weight again for each small block of rows (results/cpu/fast_decode_weights_amx_1thread.json:
+# q4 below bf16 at 4 positions, even at 8; q8 below at 4, above at 8); qmm.py's grow more slowly (its
+# integer dot products at ~1 per cycle; results/cpu/native_step_qmm_amx_1thread.json: q4 below bf16 at 8,
+# above at 16; q8 about even at 8). benchmarks/wide_rows.py measures the crossover directly. Only passes
+# whose rows may round otherwise than plain decoding's run it: prefill, and every pass outside exact mode
+# (decoder.py).
 WIDE_ROWS = {"q8": 6, "q4": 8}
+WIDE_ROWS_QMM = {"q8": 8, "q4": 16}
+
+
+def wide_rows(fmt: str) -> int | None:
+    """The row count from which format `fmt`'s passes may run the dense copy (None: never)."""
+    return (WIDE_ROWS_QMM if qmm.available() is None else WIDE_ROWS).get(fmt)
 
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
 # (results/cpu/fast_decode_weights_*.json): the int4 and int8 kernels cost time per row (prefill alike;

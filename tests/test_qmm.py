@@ -1,0 +1,79 @@
+"""qmm.py's kernel (4- and 8-bit weights times 8-bit activation groups, integer dot products): its packing
+holds the weights it was given, it computes its stated arithmetic, and a row's bits depend neither on the
+other rows of the pass nor on the threads (what exact mode needs from a kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.fast import qmm, quant
+
+pytestmark = pytest.mark.skipif(qmm.available() is not None, reason=f"qmm kernel: {qmm.available()}")
+
+
+def _weights(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g)) * 0.05
+    groups = quant.requantize_groups(w)  # float16 d and m, as a GGUF Q4_1 file stores them
+    w8 = quant.to_int8(w, torch.bfloat16)
+    return groups, w8, qmm.pack4(groups.q, groups.d, groups.m), qmm.pack8(w8.q, w8.scale)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (96, 576), (64, 1536)])
+def test_packing_holds_the_weights_exactly(n, k):
+    groups, w8, p4, p8 = _weights(n, k)
+    assert torch.equal(qmm.dense(p4), groups.dense())
+    assert torch.equal(qmm.dense(p8), quant.effective(w8))
+    assert p4.w.numel() == n * k // 2 and p8.w.numel() == n * k  # 4 and 8 bits a weight
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_computes_its_arithmetic(bits):
+    """float32 activations (no output rounding): the kernel equals the float64 evaluation of x's 8-bit
+    groups times the packed weights up to float32 summation error; a zero row gives zeros."""
+    _, _, p4, p8 = _weights(96, 576, seed=1)
+    w = p4 if bits == 4 else p8
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(2))
+    x[3] = 0
+    got = qmm.linear(x, w).double()
+    want = qmm.reference(x, w)
+    scale = (x.abs() @ qmm.dense(w).abs().T).double()  # the size of the terms summed
+    assert ((got - want).abs() <= 1e-5 * scale + 1e-6).all()
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    # and the 8-bit activation groups are close to x itself: within half a step of each group's max / 127
+    exact = x.double() @ qmm.dense(w).double().T
+    step = x.abs().reshape(7, -1, 32).amax(-1) / 127
+    bound = (step.double().repeat_interleave(32, 1) / 2) @ qmm.dense(w).abs().double().T
+    assert ((want - exact).abs() <= bound * (1 + 1e-6) + 1e-9).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(bits):
+    _, _, p4, p8 = _weights(160, 576, seed=3)
+    w = p4 if bits == 4 else p8
+    x = torch.randn(21, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    alone = torch.cat([qmm.linear(x[i:i + 1], w) for i in range(21)])
+    for m in (2, 5, 8, 9, 16, 21):
+        assert torch.equal(qmm.linear(x[:m], w), alone[:m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(qmm.linear(x, w), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_quantized_formats_run_qmm_where_it_is_available():
+    groups, _, _, _ = _weights(64, 128)
+    assert isinstance(quant.prepare(groups, "q4", torch.bfloat16), qmm.QWeight)
+    w = quant.prepare(torch.randn(64, 128), "q8", torch.bfloat16)
+    assert isinstance(w, qmm.QWeight) and not w.int4
+    odd = quant.prepare(torch.randn(40, 128), "q8", torch.bfloat16)  # 40 rows: not whole blocks of 16
+    assert isinstance(odd, quant.Int8)
+
+
+def test_a_bad_weight_is_one_clear_error():
+    _, _, p4, _ = _weights(16, 64)
+    with pytest.raises(RuntimeError, match="weight shape does not match"):
+        qmm.linear(torch.randn(2, 96), p4)
