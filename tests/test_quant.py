@@ -31,8 +31,7 @@ BF16_U = 2.0 ** -8  # bfloat16 keeps 8 significant bits: rounding to nearest mov
 def kernel(request, monkeypatch):
     """Run a test on qmm.py's kernel (where this CPU has it) and on PyTorch's weight-only kernels."""
     if request.param == "torch":
-        monkeypatch.setattr(quant, "_qmm_fits", lambda n, k: False)
-        monkeypatch.setattr(quant, "wide_rows", quant.WIDE_ROWS.get)
+        monkeypatch.setattr(quant, "_use_qmm", lambda: False)
     elif qmm.available() is not None:
         pytest.skip(f"qmm kernel: {qmm.available()}")
     return request.param

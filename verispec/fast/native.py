@@ -11,8 +11,8 @@ its operations likewise issued from C++). A pass is one native call for all laye
 `attn_in` / `attn_out` around canonical.attention) per layer.
 
 What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
-are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones (F.linear); anything else (Gemma 3,
-Qwen3, packed.py's bf16 hybrid of AVX2 CPUs) runs core.layer_step. Built on first use with
+are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones
+(F.linear); anything else (Gemma 3, Qwen3, packed.py's bf16 hybrid of AVX2 CPUs) runs core.layer_step. Built on first use with
 torch.utils.cpp_extension (a C++ compiler is needed; setup.sh builds it once); where the build fails
 or VERISPEC_NATIVE=0 the Python step runs, and `status()` says why.
 """
@@ -60,13 +60,14 @@ at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w0, const
     return raw_packed(at::constant_pad_nd(x, {0, 0, 0, MIN_ROWS - m}, 0), w0, b).slice(0, 0, m);
   }
   if (kind == PLAIN) return at::linear(x, w0, b);
+  at::Tensor y;
   if (kind == QMM) {  // qmm.py's kernel, registered by its own extension (loaded before a weight of this kind exists)
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::qmm", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-    at::Tensor y = op.call(x, w0, w1);
-    return b.has_value() ? y + *b : y;
+    y = op.call(x, w0, w1);
+  } else {
+    y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(x, w0, GROUP, w1) : at::_weight_int8pack_mm(x, w0, w1);
   }
-  at::Tensor y = kind == INT4 ? at::_weight_int4pack_mm_for_cpu(x, w0, GROUP, w1) : at::_weight_int8pack_mm(x, w0, w1);
   return b.has_value() ? y + *b : y;
 }
 

@@ -17,7 +17,7 @@ by; tests/test_quant.py bounds its distance to the GGUF's float32 dequantization
 in bfloat16: the int4 kernel is far slower with float32 ones (docs/performance-notes.md).
 
 Where the CPU has AVX-512 VNNI, both formats run qmm.py's kernel instead (the same groups with their
-float32 scales, activations rounded to 8 bits per group, cost nearly flat in the rows, bits independent
+float16 scales, activations rounded to 8 bits per group, cost nearly flat in the rows, bits independent
 of the rows); elsewhere PyTorch's kernels above. `available(fmt)` probes that the kernel `prepare`
 chooses exists and computes what its convention says; where not, the decoder falls back to the dense
 weights and says so (decoder.py).
@@ -129,8 +129,13 @@ def prepare(src: torch.Tensor | Groups, fmt: str, dtype: torch.dtype) -> Int4 | 
     return qmm.pack8(w8.q, w8.scale) if _qmm_fits(n, k) else w8
 
 
+def _use_qmm() -> bool:
+    """Whether quantized weights run qmm.py's kernel here (the one switch: tests turn it off)."""
+    return qmm.available() is None
+
+
 def _qmm_fits(n: int, k: int) -> bool:
-    return qmm.fits(n, k) and qmm.available() is None
+    return qmm.fits(n, k) and _use_qmm()
 
 
 def is_int4(w: Int4 | Int8 | qmm.QWeight) -> bool:
@@ -217,7 +222,7 @@ WIDE_ROWS_QMM = {"q8": 8, "q4": 16}
 
 def wide_rows(fmt: str) -> int | None:
     """The row count from which format `fmt`'s passes may run the dense copy (None: never)."""
-    return (WIDE_ROWS_QMM if qmm.available() is None else WIDE_ROWS).get(fmt)
+    return (WIDE_ROWS_QMM if _use_qmm() else WIDE_ROWS).get(fmt)
 
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
 # (results/cpu/fast_decode_weights_*.json): the int4 and int8 kernels cost time per row (prefill alike;
