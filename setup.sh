@@ -26,4 +26,6 @@ fi
 .venv/bin/python -c "from verispec.fast import native; print('fast path layer step:', native.status())"
 # and the 4/8-bit kernel of the quantized weights (verispec/fast/qmm.py; AVX-512 VNNI CPUs, else PyTorch's)
 .venv/bin/python -c "from verispec.fast import qmm; print('quantized weights kernel:', qmm.available() or 'qmm')"
+# and exact mode's attention kernel (verispec/fast/attend.py; PyTorch's operations without it)
+.venv/bin/python -c "from verispec.fast import attend; print('exact attention kernel:', attend.available() or 'attend')"
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -13,7 +13,7 @@ from verispec.errors import InvalidParameter, UnsupportedModel
 from verispec.backends import TreeMask, make_runner
 from verispec.backends.fast import FastRunner
 from verispec.backends.transformers import HFRunner
-from verispec.fast import supports
+from verispec.fast import attend, supports
 from verispec.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -238,7 +238,17 @@ def test_hf_and_fast_runner_agree_on_trees():
     torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=1e-4)
 
 
-def test_exact_mode_logits_do_not_depend_on_how_tokens_share_a_pass():
+@pytest.fixture(params=["kernel", "ops"])
+def exact_attention(request, monkeypatch):
+    """Run a test on attend.py's kernel (where it builds) and on canonical.py's PyTorch operations."""
+    if request.param == "ops":
+        monkeypatch.setattr(attend, "runs_on", lambda t: False)
+    elif attend.available() is not None:
+        pytest.skip(f"attention kernel: {attend.available()}")
+    return request.param
+
+
+def test_exact_mode_logits_do_not_depend_on_how_tokens_share_a_pass(exact_attention):
     """The property exact mode exists for: a position's logits are bit-identical whether it is scored
     alone or together with other tokens (here in bfloat16, where rounding differs most)."""
     for dtype in (torch.bfloat16, torch.float32):
@@ -255,7 +265,7 @@ def test_exact_mode_logits_do_not_depend_on_how_tokens_share_a_pass():
 
 
 @pytest.mark.parametrize("kv_block", [16, 64, 512])
-def test_exact_mode_is_right_when_a_pass_ends_on_the_attended_length(kv_block):
+def test_exact_mode_is_right_when_a_pass_ends_on_the_attended_length(kv_block, exact_attention):
     """Canonical attention sums a row's last TAIL columns; where the attended length L is short of them
     (small kv blocks), the columns past L must add nothing: they once repeated column L - 1, which a
     pass's last row sees when the pass ends on L (kv_block 64, 3-token passes: logits off by 2 from
@@ -375,8 +385,9 @@ def _random_tree(n: int, seed: int):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "mistral_window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exact_mode_tree_logits_are_bit_identical_to_chains(family, dtype):
-    """Exact mode's layout-free attention (fast/canonical.py): every tree node's logits are the bits the
+def test_exact_mode_tree_logits_are_bit_identical_to_chains(family, dtype, exact_attention):
+    """Exact mode's layout-free attention (fast/canonical.py, attend.py's kernel or PyTorch's operations):
+    every tree node's logits are the bits the
     same tokens get as a plain chain, though its ancestors sit at other cache slots; so is the step
     after compacting a path. Prefixes put the trees across 64-position cuts and past the first one.
     Without it (PassMode canonical False: fused SDPA over the tree slots) the float32 cases fail here

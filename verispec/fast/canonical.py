@@ -17,6 +17,10 @@ product with a fixed row count; columns from B on (at most 127 of them) are gath
 [W = 128, D] block per row and summed by a per-row product. Plain decoding goes through the same
 computation, so the same position gets the same bits whichever way its keys were laid out.
 
+On the CPU with float32 caches, attend.py's kernel does the same in one call, summing every visible
+column in position order (no cut needed); the PyTorch operations below run elsewhere (CUDA, float16
+caches, no compiler). Either way a row's bits do not depend on its keys' slots, on the other rows or on L.
+
 Cost: a few small kernels per layer instead of one fused attention call (see benchmarks/fast_decode.py
 for exact mode's figure), used only in exact mode's eager passes.
 """
@@ -27,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.fast import attend
+
 TAIL = 128  # canonical columns summed per row (the cut B leaves at most 127 of them visible)
 CUT = 64    # B is a multiple of this; a tree deeper than 64 still verifies right, maybe not bit-identically
 
@@ -35,51 +41,63 @@ CUT = 64    # B is a multiple of this; a tree deeper than 64 still verifies righ
 class Canon:
     """Per-pass plan, built by the runner once and shared by all layers.
 
-    order:      [T, L] long or None   canonical column -> cache slot (None: identity, a chain pass)
-    groups:     list of (B, rows)     the distinct cuts; rows: BoolTensor [T] of the rows with that cut
-    tail_cols:  [T, TAIL] long        canonical columns B_r .. B_r + TAIL - 1 (clamped to L - 1)
-    tail_slots: [T * TAIL] long       the cache slots of those columns
-    tail_past:  [T, TAIL] bool or None  the columns past L - 1 (clamped: they must add zero, not column
-                L - 1 again, which a row at position L - 1 sees); None when no column is
+    order:     [T, L] long or None   canonical column -> cache slot (None: identity, a chain pass)
+    positions: [T] long              the rows' positions
+    L:         int                   the attended columns
+    floor:     int or None           cuts may not pass this column (the first tree slot: columns below it
+                                     are prefix in slot order too)
+
+    The PyTorch operations' index tensors (`cuts`) are derived on first use: where attend.py's kernel
+    runs, a pass needs only `order`.
     """
 
     order: torch.Tensor | None
-    groups: list[tuple[int, torch.Tensor]]
-    tail_cols: torch.Tensor
-    tail_slots: torch.Tensor
-    tail_past: torch.Tensor | None = None
+    positions: torch.Tensor
+    L: int
+    floor: int | None = None
     _derived: dict = field(default_factory=dict)
 
+    def cuts(self) -> tuple:
+        """(groups, tail_cols, tail_slots, tail_past): groups the distinct cuts B as (B, rows: BoolTensor [T] of
+        the rows with that cut); tail_cols [T, TAIL] the canonical columns B_r .. B_r + TAIL - 1 (clamped to
+        L - 1), tail_slots [T * TAIL] their cache slots, tail_past [T, TAIL] bool the columns past L - 1 (clamped:
+        they must add zero, not column L - 1 again, which a row at position L - 1 sees), or None when none is."""
+        if "cuts" not in self._derived:
+            L, dev = self.L, self.positions.device
+            cuts = [max(0, CUT * (q // CUT) - CUT) for q in self.positions.tolist()]
+            if self.floor is not None:
+                cuts = [min(b, CUT * (self.floor // CUT)) for b in cuts]
+            cut = torch.tensor(cuts, dtype=torch.long, device=dev)
+            cols = cut[:, None] + torch.arange(TAIL, device=dev)[None, :]
+            past = (cols >= L) if max(cuts) + TAIL > L else None  # L not a multiple of CUT, or L < TAIL
+            cols = cols.clamp(max=L - 1)
+            slots = cols if self.order is None else self.order.gather(1, cols)
+            self._derived["cuts"] = ([(b, cut == b) for b in sorted(set(cuts))], cols, slots.reshape(-1), past)
+        return self._derived["cuts"]
+
     def expanded(self, g: int) -> tuple:
-        """The index tensors repeated for g query heads per kv head (built once per pass)."""
+        """(order, tail_cols, groups, tail_past) repeated for g query heads per kv head (built once per pass)."""
         if g not in self._derived:
+            groups, tail_cols, _, tail_past = self.cuts()
             self._derived[g] = (None if self.order is None else self.order.repeat(g, 1),
-                                  self.tail_cols.repeat(g, 1),
-                                  [(b, rows.repeat(g)[:, None]) for b, rows in self.groups],
-                                  None if self.tail_past is None else self.tail_past.repeat(g, 1))
+                                tail_cols.repeat(g, 1),
+                                [(b, rows.repeat(g)[:, None]) for b, rows in groups],
+                                None if tail_past is None else tail_past.repeat(g, 1))
         return self._derived[g]
 
     def flat_slots(self, kvh: int, S: int) -> torch.Tensor:
         """tail_slots as rows of a [kvh * S, D] view of the cache."""
         key = ("flat", kvh, S)
         if key not in self._derived:
-            heads = torch.arange(kvh, device=self.tail_slots.device)[:, None] * S
-            self._derived[key] = (heads + self.tail_slots[None, :]).reshape(-1)
+            heads = torch.arange(kvh, device=self.positions.device)[:, None] * S
+            self._derived[key] = (heads + self.cuts()[2][None, :]).reshape(-1)
         return self._derived[key]
 
 
 def plan(positions: torch.Tensor, L: int, order: torch.Tensor | None, floor: int | None = None) -> Canon:
     """positions [T] of the pass's rows; order as in Canon; floor: cuts may not pass this column (the
     first tree slot: columns below it are prefix in slot order too)."""
-    cuts = [max(0, CUT * (q // CUT) - CUT) for q in positions.tolist()]
-    if floor is not None:
-        cuts = [min(b, CUT * (floor // CUT)) for b in cuts]
-    cut = torch.tensor(cuts, dtype=torch.long, device=positions.device)
-    cols = cut[:, None] + torch.arange(TAIL, device=positions.device)[None, :]
-    past = (cols >= L) if max(cuts) + TAIL > L else None  # L not a multiple of CUT, or L < TAIL
-    cols = cols.clamp(max=L - 1)
-    slots = cols if order is None else order.gather(1, cols)
-    return Canon(order, [(b, cut == b) for b in sorted(set(cuts))], cols, slots.reshape(-1), past)
+    return Canon(order, positions, L, floor)
 
 
 def bias(mask: torch.Tensor, g: int) -> torch.Tensor:
@@ -92,6 +110,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bia
               canon: Canon) -> torch.Tensor:
     """q [H, T, D]; k_cache/v_cache [KVH, S, D] in slot order (the first L slots attended);
     bias_ [G*T, L] in canonical order (see `bias`) -> [H, T, D]."""
+    if attend.runs_on(k_cache):
+        return attend.attention(q, k_cache, v_cache, bias_, scale, canon.order)
+    return attention_ops(q, k_cache, v_cache, bias_, scale, canon)
+
+
+def attention_ops(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias_: torch.Tensor, scale: float,
+                  canon: Canon) -> torch.Tensor:
+    """attention with PyTorch's operations (any device and dtype): the cut value sum described above."""
     H, T, D = q.shape
     L = bias_.shape[-1]
     kvh = k_cache.shape[0]

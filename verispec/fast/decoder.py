@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import canonical, packed, quant, row_invariance
+from verispec.fast import attend, canonical, packed, quant, row_invariance
 from verispec.fast import native as native_ext
 from verispec.fast.core import Arch, layer_step, layer_step_parts, rms_norm, rope_tables
 
@@ -273,12 +273,16 @@ class FastDecoder:
                       [wins.index(w) for w in self.windows])
             if canon is None:
                 x = native_ext.module().layers(*common, *self._native_shape())
+            elif attend.runs_on(kv[0]):  # attend.py's kernel: the plan's order is all it needs
+                none = torch.empty(0, dtype=torch.long)
+                x = native_ext.module().layers_canonical(*common, canon.order, none, [], [], None, none, True,
+                                                         *self._native_shape())
             else:
                 a = self.arch
                 order, tail_cols, groups, tail_past = canon.expanded(a.n_heads // a.n_kv_heads)
                 x = native_ext.module().layers_canonical(
                     *common, order, tail_cols, [b for b, _ in groups], [r for _, r in groups], tail_past,
-                    canon.flat_slots(a.n_kv_heads, kv[0].shape[1]), *self._native_shape())
+                    canon.flat_slots(a.n_kv_heads, kv[0].shape[1]), False, *self._native_shape())
             layers = []
         for i, lw in enumerate(layers):
             cos, sin = tables[self.rope_keys[i]]

@@ -134,9 +134,11 @@ at::Tensor layers(at::Tensor x, const std::vector<std::vector<at::Tensor>>& ws,
   return x;
 }
 
-// canonical.attention's operations: q [H, T, D], caches [KVH, S, D], bias [G*T, L]; the plan's tensors as
+// canonical.attention's operations: q [H, T, D], caches [KVH, S, D], bias [G*T, L]; kernel: attend.py's
+// kernel (order the plan's [T, L] order), else the PyTorch operations with the plan's tensors as
 // Canon.expanded(G) and Canon.flat_slots give them
 struct Canon {
+  bool kernel;
   std::optional<at::Tensor> order, tail_past;
   at::Tensor tail_cols, flat;
   std::vector<int64_t> cuts;
@@ -147,6 +149,12 @@ constexpr int64_t TAIL = 128;  // canonical.TAIL
 
 at::Tensor canon_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& bias, double scale, const Canon& c) {
+  if (c.kernel) {  // attend.py's kernel, registered by its own extension (loaded before such a pass runs)
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::attend", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, double)>();
+    return op.call(q, k_cache, v_cache, bias, c.order.has_value() ? *c.order : at::empty({0}, at::kLong), scale);
+  }
   int64_t H = q.size(0), T = q.size(1), D = q.size(2), L = bias.size(-1), kvh = k_cache.size(0), g = H / kvh;
   at::Tensor qg = (q * scale).reshape({kvh, g * T, D});
   at::Tensor s = at::bmm(qg, k_cache.slice(1, 0, L).transpose(1, 2));
@@ -181,9 +189,9 @@ at::Tensor layers_canonical(at::Tensor x, const std::vector<std::vector<at::Tens
                             const std::vector<int64_t>& table_of, const std::vector<int64_t>& mask_of,
                             const std::optional<at::Tensor>& order, const at::Tensor& tail_cols,
                             const std::vector<int64_t>& cuts, const std::vector<at::Tensor>& rows,
-                            const std::optional<at::Tensor>& tail_past, const at::Tensor& flat,
+                            const std::optional<at::Tensor>& tail_past, const at::Tensor& flat, bool kernel,
                             int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
-  Canon c{order, tail_past, tail_cols, flat, cuts, rows};
+  Canon c{kernel, order, tail_past, tail_cols, flat, cuts, rows};
   for (size_t i = 0; i < ws.size(); ++i) {
     at::Tensor qh = attn_in(x, ws[i], kinds[i], bqkv[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]],
                             H, KVH, hd, eps);

@@ -1,0 +1,293 @@
+"""Exact mode's attention as one small CPU kernel: each query row sums over its keys in position order.
+
+Why. canonical.py makes a row's attention independent of where its keys sit in the cache (a tree node
+gets the bits plain decoding gets) with PyTorch's operations: a gather into position order, two or three
+batched products and a per-row product over the last 128 columns. At decode shapes that is a dozen small
+kernels per layer whose fixed costs are most of a one-position forward's time beyond the weight bytes
+(`aten::bmm` alone ~30 us a call, ~3 ms a forward for SmolLM2-135M). Here one call does a layer's
+attention, and the layout independence holds by construction, for any tree depth and attended length:
+
+    for a query row t of head h (kv head h // g) and each canonical column c = 0 .. L - 1 the row may see
+    (bias[t, c] = 0), in order of c:
+        s_c = dot(q[h, t], k[slot]) * scale       slot = order[t, c] (a tree row's ancestors) or c
+    m = max s_c;  p_c = exp(s_c - m);  out = (sum_c p_c * v[slot]) / (sum_c p_c)
+
+Every dot product runs over head_dim in the same 16-lane order, sums run over the columns in position
+order, and a row is computed by one thread, so the bits of a row depend only on its own query and the
+keys and values at the positions it sees: not on the slots, the other rows, L, or the thread count
+(tests/test_attend.py; the load-time row-invariance probe still runs it). exp is a fixed polynomial
+(Cephes' expf coefficients) on vectors of 16 floats (GCC vector extensions), and a block of 16 keys'
+dot products is reduced together by one fixed shuffle tree. Built for the CPU's x86-64 level (v4: AVX-512,
+v3: AVX2 + FMA, else baseline; the build is named after the level), so Zen 3 runs it too.
+
+Float32 caches only (the CPU fast path keeps float32 caches for bfloat16 models); elsewhere (CUDA, float16
+caches, no compiler, VERISPEC_ATTEND=0) canonical.py's PyTorch operations run. Registered as
+torch.ops.verispec.attend so the native layer step calls it too; setup.sh builds it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_DIM = 256
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones (the compiler splits it per target)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int W = 16;
+
+inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof x); return x; }
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+// chunk c of a head_dim vector (C chunks, the last one `last` floats long, zeros after)
+template <int C>
+inline vf chunk(const float* p, int c, int last) {
+  if (c < C - 1 || last == W) return load(p + W * c);
+  vf x = {};
+  std::memcpy(&x, p + W * c, last * sizeof(float));
+  return x;
+}
+
+// acc[0..16) of 16 partial sums each -> the 16 sums: lanes l and l + 8 added, then l and l + 4, l + 2, l + 1,
+// the same tree for every vector whatever its place (a key's score never depends on its block neighbours)
+inline vf reduce16(vf* a) {
+  const vi m1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi m1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vi m2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi m2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const vi m3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi m3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const vi m4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi m4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  for (int p = 0; p < 8; ++p) a[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], m1a) + __builtin_shuffle(a[2 * p], a[2 * p + 1], m1b);
+  for (int p = 0; p < 4; ++p) a[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], m2a) + __builtin_shuffle(a[2 * p], a[2 * p + 1], m2b);
+  for (int p = 0; p < 2; ++p) a[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], m3a) + __builtin_shuffle(a[2 * p], a[2 * p + 1], m3b);
+  return __builtin_shuffle(a[0], a[1], m4a) + __builtin_shuffle(a[0], a[1], m4b);
+}
+
+// the 16 lanes of one vector summed by the same tree
+inline float hsum(vf x) {
+  float t[W];
+  store(t, x);
+  for (int w = W / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
+}
+
+// exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); x < -87 gives 0
+inline vf vexp(vf x) {
+  const vf lo = x < -87.0f ? vf{} + 1.0f : vf{};
+  vf xc = x < -87.0f ? vf{} - 87.0f : x;
+  vi ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi);  // round to nearest (xc <= 0)
+  vf n = __builtin_convertvector(ni, vf);
+  vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  vf y = p * r * r + r + 1.0f;
+  vf two_n = (vf)((ni + 127) << 23);
+  return lo != 0.0f ? vf{} : y * two_n;
+}
+
+// one kv head's g query heads for query row t (head dim D: C chunks of 16, the last `last` long): out[j]
+// from q[j] over the visible columns. s: scratch of g * (L + 16) floats, slot: of L + 16
+template <int C>
+void row(const float* const* q, float* const* out, int64_t g, const float* K, const float* V, int64_t ks, int64_t vs,
+         const float* bias, const int64_t* order, int64_t L, int last, float scale, float* s, int64_t* slot) {
+  int64_t n = 0;  // the visible columns, in position order, and their slots
+  for (int64_t c = 0; c < L; ++c)
+    if (bias[c] == 0.0f) slot[n++] = order ? order[c] : c;
+  const int64_t nb = (n + W - 1) / W;
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = s + j * nb * W;
+    vf qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = chunk<C>(q[j], c, last) * scale;
+    vf mx = vf{} - std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < nb; ++b) {  // 16 keys at a time: their dot products, reduced together
+      vf acc[W];
+      for (int i = 0; i < W; ++i) {
+        vf a = {};
+        if (b * W + i < n) {
+          const float* k = K + slot[b * W + i] * ks;
+          for (int c = 0; c < C; ++c) a += qv[c] * chunk<C>(k, c, last);
+        }
+        acc[i] = a;
+      }
+      vf sc = reduce16(acc);
+      if ((b + 1) * W > n)  // past the last key: -inf, so exp gives 0
+        for (int i = n - b * W; i < W; ++i) sc[i] = -std::numeric_limits<float>::infinity();
+      store(sj + b * W, sc);
+      mx = sc > mx ? sc : mx;
+    }
+    float m = mx[0];
+    for (int l = 1; l < W; ++l) m = mx[l] > m ? mx[l] : m;
+    vf tot = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      vf p = vexp(load(sj + b * W) - m);
+      store(sj + b * W, p);
+      tot += p;
+    }
+    const float total = hsum(tot);
+    vf o0[C] = {}, o1[C] = {};  // even and odd keys apart (two chains), added at the end
+    int64_t i = 0;
+    for (; i + 1 < n; i += 2) {
+      const float* v0 = V + slot[i] * vs;
+      const float* v1 = V + slot[i + 1] * vs;
+      for (int c = 0; c < C; ++c) {
+        o0[c] += sj[i] * chunk<C>(v0, c, last);
+        o1[c] += sj[i + 1] * chunk<C>(v1, c, last);
+      }
+    }
+    if (i < n) {
+      const float* v0 = V + slot[i] * vs;
+      for (int c = 0; c < C; ++c) o0[c] += sj[i] * chunk<C>(v0, c, last);
+    }
+    for (int c = 0; c < C; ++c) {
+      vf o = (o0[c] + o1[c]) / total;
+      std::memcpy(out[j] + W * c, &o, (c < C - 1 ? W : last) * sizeof(float));
+    }
+  }
+}
+
+using RowFn = void (*)(const float* const*, float* const*, int64_t, const float*, const float*, int64_t, int64_t,
+                       const float*, const int64_t*, int64_t, int, float, float*, int64_t*);
+
+template <int... C>
+RowFn pick(int64_t chunks, std::integer_sequence<int, C...>) {
+  RowFn fn = nullptr;
+  ((chunks == C + 1 ? (fn = &row<C + 1>, 0) : 0), ...);
+  return fn;
+}
+
+RowFn row_for(int64_t D) { return pick((D + W - 1) / W, std::make_integer_sequence<int, 16>{}); }
+
+// q [H, T, D], k/v [KVH, S, D] (rows contiguous), bias [>= T, L] (0 visible, -inf not; rows t < T read),
+// order [T, L] long or empty (columns are slots) -> [H, T, D]
+at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias_,
+                  const at::Tensor& order_, double scale) {
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              bias_.scalar_type() == at::kFloat, "attend: float32 queries, caches and bias");
+  TORCH_CHECK(q_.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1,
+              "attend: q [H, T, D] and caches [KVH, S, D] with contiguous rows");
+  at::Tensor q = q_.contiguous(), bias = bias_.contiguous();
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), KVH = k.size(0), L = bias.size(1), g = H / KVH;
+  TORCH_CHECK(H % KVH == 0 && k.size(2) == D && v.size(2) == D && bias.size(0) >= T && L <= k.size(1),
+              "attend: shapes do not match");
+  const bool has_order = order_.numel() > 0;
+  at::Tensor order = has_order ? order_.contiguous() : order_;
+  TORCH_CHECK(!has_order || (order.scalar_type() == at::kLong && order.size(0) == T && order.size(1) == L),
+              "attend: order [T, L] long");
+  const RowFn fn = row_for(D);
+  TORCH_CHECK(fn != nullptr, "attend: head_dim ", D, " is over 256");
+  const int last = static_cast<int>(D - W * ((D + W - 1) / W - 1));
+  at::Tensor out = at::empty({H, T, D}, q.options());
+  const float* Q = q.data_ptr<float>();
+  const float* B = bias.data_ptr<float>();
+  const int64_t* O = has_order ? order.data_ptr<int64_t>() : nullptr;
+  float* Y = out.data_ptr<float>();
+  const float* K = k.data_ptr<float>();
+  const float* Vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(1), vs = v.stride(1), kh = k.stride(0), vh = v.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, KVH * T, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> s(g * (L + W));
+    std::vector<int64_t> slot(L + W);
+    std::vector<const float*> qs(g);
+    std::vector<float*> os(g);
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t h = task / T, t = task % T;
+      for (int64_t j = 0; j < g; ++j) {
+        qs[j] = Q + ((h * g + j) * T + t) * D;
+        os[j] = Y + ((h * g + j) * T + t) * D;
+      }
+      fn(qs.data(), os.data(), g, K + h * kh, Vp + h * vh, ks, vs, B + t * L, O ? O + t * L : nullptr, L, last, sc,
+         s.data(), slot.data());
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(verispec, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor bias, Tensor order, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(verispec, CPU, m) {
+  m.impl("attend", &attend);
+}
+"""
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+def available() -> str | None:
+    """None where the kernel runs here, else why not (logged once)."""
+    with _LOCK:
+        if "why" not in _STATE:
+            _STATE["why"] = _build()
+            if _STATE["why"]:
+                log.info("%s; exact-mode attention runs PyTorch's operations", _STATE["why"])
+        return _STATE["why"]
+
+
+def _build() -> str | None:
+    if os.environ.get("VERISPEC_ATTEND", "1") == "0":
+        return "VERISPEC_ATTEND=0"
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        level = _level()
+        load_inline(f"verispec_attend_{level.replace('-', '_')}", cpp_sources=_SOURCE,
+                    extra_cflags=["-O3", f"-march={level}"], is_python_module=False, verbose=False)
+        torch.ops.verispec.attend  # noqa: B018 - registered by the load
+    except Exception as exc:  # no compiler, no headers, a failed build, a CPU that is not x86-64
+        text = str(exc).strip()
+        return f"the attention kernel did not build ({type(exc).__name__}: {text.splitlines()[-1][:120] if text else ''})"
+    return None
+
+
+def _level() -> str:
+    """The x86-64 level this CPU has (the build is named after it, so a build for another CPU is never loaded)."""
+    from verispec.fast.qmm import _cpu_flags
+
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
+        return "x86-64-v4"
+    if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= flags:
+        return "x86-64-v3"
+    return "x86-64"
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether the kernel takes attention over caches like t (float32 on the CPU, head_dim <= 256, kernel built)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.shape[-1] <= MAX_HEAD_DIM and available() is None
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor, scale: float,
+              order: torch.Tensor | None) -> torch.Tensor:
+    """q [H, T, D]; caches [KVH, S, D]; bias [>= T, L] float32 over canonical columns (0 or -inf; rows t < T
+    are read); order [T, L] canonical column -> slot, or None (the columns are the slots) -> [H, T, D]."""
+    empty = torch.empty(0, dtype=torch.long)
+    return torch.ops.verispec.attend(q, k_cache, v_cache, bias, empty if order is None else order, scale)
