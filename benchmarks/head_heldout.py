@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="a training work folder whose held-out records to add")
     ap.add_argument("--per-source", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--weights", default="auto", help="the target's weights: auto, bf16, q8 or q4")
     a = parse(ap)
     from verispec.drafters.dflash import load_block_drafter
     from verispec.drafters.eagle import load_eagle_head
@@ -34,7 +35,7 @@ def main() -> None:
     from verispec.train.data import read_jsonl, split_heldout
     from verispec.train.evaluate import eval_sets, evaluate_head
 
-    target = load_model(a.target, dtype=a.dtype)
+    target = load_model(a.target, dtype=a.dtype, weights=a.weights)
     load = {"eagle": load_eagle_head, "medusa": load_medusa_heads, "dflash": load_block_drafter}[a.kind]
     module = load(target, a.head)
     heldout = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))[1] if a.work else None
@@ -42,7 +43,7 @@ def main() -> None:
     # the block drafter's chain is its whole block, drafted in one forward (as verispec train evaluates it)
     chain = {"draft_length": module.config["block_size"] - 1} if a.kind == "dflash" else {}
     fig = evaluate_head(target, a.kind, module, sets, max_new_tokens=a.tokens, **chain)
-    out = {"head": a.head or "shipped", "trained_on": module.config.get("training", {}).get("sequences"), **fig,
+    out = {"head": a.head or "shipped", "weights": a.weights, "trained_on": module.config.get("training", {}).get("sequences"), **fig,
            "environment": environment(target)}
     write_json(out, a.json)
     print(json.dumps(fig["overall"]))

@@ -40,8 +40,9 @@ def test_heads_are_shipped_and_small():
 
 
 def test_shipped_block_drafter_greedy_exact_bfloat16():
-    """The block drafter as it ships (bf16 target, packed bf16 weights, exact mode): output equals plain
-    decoding's, as a whole block (draft length B-1) and as a tree."""
+    """The block drafter as it ships (bf16 target with the default weights: the file's q4 where qmm runs,
+    else packed bf16; exact mode): output equals plain decoding's, as a whole block (draft length B-1) and
+    as a tree."""
     from verispec.models import load_model
 
     target = load_model("smollm2-135m", dtype="bfloat16")

@@ -311,3 +311,15 @@ def test_wide_passes_run_a_dense_copy_of_the_same_weights_outside_exact_mode(fmt
     calls.clear()
     exact.forward(ids[20:20 + n])
     assert not calls  # exact mode: the quantized kernels at every row count
+
+
+def test_auto_runs_the_files_4_bit_weights_where_qmm_runs(kernel):
+    """"auto" on a quantized file in bfloat16 on CPU: q4 on qmm.py's kernel (the fastest measured), the dense
+    bf16 weights on PyTorch's kernels; float32, or a model without a file, stays dense."""
+    cpu = torch.device("cpu")
+    want = "q4" if kernel == "qmm" else "bf16"
+    assert quant.default_format() == want
+    assert quant.resolve("auto", torch.bfloat16, cpu, from_file=True) == want
+    assert quant.resolve("auto", torch.float32, cpu, from_file=True) == "bf16"
+    assert quant.resolve(None, torch.bfloat16, cpu, from_file=False) == "bf16"
+    assert quant.resolve("q8", torch.bfloat16, cpu, from_file=False) == "q8"

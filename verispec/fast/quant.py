@@ -195,16 +195,17 @@ def available(fmt: str, dtype: torch.dtype, device: torch.device) -> str | None:
 
 def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_file: bool) -> str:
     """The format `weights` names; "auto" / None: "bf16" (dense) unless the model came from a quantized
-    file (a weight source) and runs in bfloat16 on CPU, where DEFAULT (what the measurements chose)."""
+    file (a weight source) and runs in bfloat16 on CPU, where default_format() (what the measurements chose)."""
     if weights not in (None, "auto"):
         if weights not in FORMATS:
             from verispec.errors import InvalidParameter
 
             raise InvalidParameter(f"unknown weights '{weights}'; use one of auto, {', '.join(FORMATS)}")
         return weights
-    if not from_file or available(DEFAULT, dtype, device) is not None:
+    fmt = default_format()
+    if not from_file or fmt == "bf16" or available(fmt, dtype, device) is not None:
         return "bf16"
-    return DEFAULT
+    return fmt
 
 
 # Passes of at least this many rows run a dense copy of the quantized weights (their dequantization rounded
@@ -224,8 +225,12 @@ def wide_rows(fmt: str) -> int | None:
     """The row count from which format `fmt`'s passes may run the dense copy (None: never)."""
     return (WIDE_ROWS_QMM if _use_qmm() else WIDE_ROWS).get(fmt)
 
+
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
-# (results/cpu/fast_decode_weights_*.json): the int4 and int8 kernels cost time per row (prefill alike;
-# docs/performance-notes.md), so q4 wins plain decoding of short prompts but loses
-# speculation's wider passes and long prompts to the dense packed weights, which stay the default
-DEFAULT = "bf16"
+# (results/cpu/fast_decode_weights_*.json): on qmm.py's kernel q4 decodes ~2.8x faster than the dense bf16
+# weights and its 8-position verification still costs less than bf16's, so the file's own 4-bit weights are
+# the default there; PyTorch's int4 / int8 kernels cost time per row (docs/performance-notes.md): q4 wins
+# plain decoding of short prompts but loses speculation's wider passes to the dense packed weights, which
+# stay the default on CPUs without qmm (AVX2 only)
+def default_format() -> str:
+    return "q4" if _use_qmm() else "bf16"
