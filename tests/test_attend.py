@@ -83,4 +83,4 @@ def test_bad_input_is_one_error():
 
 def test_verispec_attend_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("VERISPEC_ATTEND", "0")
-    assert attend._build() == "VERISPEC_ATTEND=0"
+    assert attend.OPERATOR.build() == "VERISPEC_ATTEND=0"

@@ -27,13 +27,9 @@ torch.ops.verispec.attend so the native layer step calls it too; setup.sh builds
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-log = logging.getLogger(__name__)
+from verispec.fast import ops
 
 MAX_HEAD_DIM = 256
 
@@ -238,46 +234,28 @@ TORCH_LIBRARY_IMPL(verispec, CPU, m) {
 }
 """
 
-_LOCK = threading.Lock()
-_STATE: dict = {}
-
-
-def available() -> str | None:
-    """None where the kernel runs here, else why not (logged once)."""
-    with _LOCK:
-        if "why" not in _STATE:
-            _STATE["why"] = _build()
-            if _STATE["why"]:
-                log.info("%s; exact-mode attention runs PyTorch's operations", _STATE["why"])
-        return _STATE["why"]
-
-
-def _build() -> str | None:
-    if os.environ.get("VERISPEC_ATTEND", "1") == "0":
-        return "VERISPEC_ATTEND=0"
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        level = _level()
-        load_inline(f"verispec_attend_{level.replace('-', '_')}", cpp_sources=_SOURCE,
-                    extra_cflags=["-O3", f"-march={level}"], is_python_module=False, verbose=False)
-        torch.ops.verispec.attend  # noqa: B018 - registered by the load
-    except Exception as exc:  # no compiler, no headers, a failed build, a CPU that is not x86-64
-        text = str(exc).strip()
-        return f"the attention kernel did not build ({type(exc).__name__}: {text.splitlines()[-1][:120] if text else ''})"
+def _load() -> str | None:
+    level = _level()  # the build is named after it, so a build for another CPU is never loaded
+    ops.load(f"verispec_attend_{level.replace('-', '_')}", _SOURCE, ["-O3", f"-march={level}"])
     return None
 
 
 def _level() -> str:
-    """The x86-64 level this CPU has (the build is named after it, so a build for another CPU is never loaded)."""
-    from verispec.fast.qmm import _cpu_flags
-
-    flags = _cpu_flags()
+    """The x86-64 level this CPU has."""
+    flags = ops.cpu_flags()
     if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
         return "x86-64-v4"
     if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= flags:
         return "x86-64-v3"
     return "x86-64"
+
+
+OPERATOR = ops.Operator("attend", "VERISPEC_ATTEND", _load, "exact-mode attention runs PyTorch's operations")
+
+
+def available() -> str | None:
+    """None where the kernel runs here, else why not (logged once)."""
+    return OPERATOR.available()
 
 
 def runs_on(t: torch.Tensor) -> bool:

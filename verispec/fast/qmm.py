@@ -32,14 +32,11 @@ build fails, and quant.py keeps PyTorch's kernels there.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from typing import NamedTuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from verispec.fast import ops
 
 GROUP = 32
 BLOCK = 16  # output channels per 512-bit lane set
@@ -183,46 +180,20 @@ class QWeight(NamedTuple):
         return self.w.shape[2] == 4 * 64
 
 
-_LOCK = threading.Lock()
-_STATE: dict = {}
+def _load() -> str | None:
+    missing = {"avx512f", "avx512bw", "avx512_vnni"} - ops.cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))} (integer dot products)"
+    ops.load("verispec_qmm", _SOURCE, ["-O3"])
+    return None
+
+
+OPERATOR = ops.Operator("qmm", "VERISPEC_QMM", _load, "quantized weights run PyTorch's kernels")
 
 
 def available() -> str | None:
     """None where the kernel runs here, else why not (logged once)."""
-    with _LOCK:
-        if "why" not in _STATE:
-            _STATE["why"] = _build()
-            if _STATE["why"]:
-                log.info("%s; quantized weights run PyTorch's kernels", _STATE["why"])
-        return _STATE["why"]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _build() -> str | None:
-    if os.environ.get("VERISPEC_QMM", "1") == "0":
-        return "VERISPEC_QMM=0"
-    missing = {"avx512f", "avx512bw", "avx512_vnni"} - _cpu_flags()
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))} (integer dot products)"
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        load_inline("verispec_qmm", cpp_sources=_SOURCE, extra_cflags=["-O3"], is_python_module=False, verbose=False)
-        torch.ops.verispec.qmm  # noqa: B018 - registered by the load
-    except Exception as exc:  # no compiler, no headers, a failed build
-        text = str(exc).strip()
-        return f"the qmm kernel did not build ({type(exc).__name__}: {text.splitlines()[-1][:120] if text else ''})"
-    return None
+    return OPERATOR.available()
 
 
 def _lanes(t: torch.Tensor) -> torch.Tensor:

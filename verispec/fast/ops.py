@@ -1,0 +1,68 @@
+"""What the fast path's own C++ operators (qmm.py, attend.py) share: one build per process, the reason
+where an operator does not run, and the CPU's flags that decide it.
+
+Each is built with torch.utils.cpp_extension.load_inline and registers itself under torch.ops.verispec;
+where the build fails (no compiler, no headers) or the CPU lacks what it needs, the caller runs PyTorch's
+operations instead and `Operator.available()` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Operator:
+    """One operator: `available()` builds it on first call (thread-safe) -> None where it runs, else why."""
+
+    def __init__(self, name: str, env: str, build: Callable[[], str | None], instead: str):
+        """build: compiles and loads it (ops.load), or returns why it cannot run here without trying."""
+        self.name, self.env, self._build, self.instead = name, env, build, instead
+        self._lock = threading.Lock()
+        self._why: list[str | None] = []
+
+    def build(self) -> str | None:
+        """Build and load it now (no memo): None, or why not."""
+        if os.environ.get(self.env, "1") == "0":
+            return f"{self.env}=0"
+        try:
+            why = self._build()
+            if why:
+                return why
+            getattr(torch.ops.verispec, self.name)  # registered by the load
+        except Exception as exc:  # no compiler, no headers, a failed build
+            text = str(exc).strip()
+            return f"the {self.name} kernel did not build ({type(exc).__name__}: {text.splitlines()[-1][:120] if text else ''})"
+        return None
+
+    def available(self) -> str | None:
+        with self._lock:
+            if not self._why:
+                self._why.append(self.build())
+                if self._why[0]:
+                    log.info("%s; %s", self._why[0], self.instead)
+            return self._why[0]
+
+
+def load(name: str, source: str, cflags: list[str]) -> None:
+    """Compile and load one operator's C++ (cached by torch's extension builder under `name`)."""
+    from torch.utils.cpp_extension import load_inline
+
+    load_inline(name, cpp_sources=source, extra_cflags=cflags, is_python_module=False, verbose=False)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
