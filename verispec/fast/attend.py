@@ -267,5 +267,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bia
               order: torch.Tensor | None) -> torch.Tensor:
     """q [H, T, D]; caches [KVH, S, D]; bias [>= T, L] float32 over canonical columns (0 or -inf; rows t < T
     are read); order [T, L] canonical column -> slot, or None (the columns are the slots) -> [H, T, D]."""
-    empty = torch.empty(0, dtype=torch.long)
-    return torch.ops.verispec.attend(q, k_cache, v_cache, bias, empty if order is None else order, scale)
+    return torch.ops.verispec.attend(q, k_cache, v_cache, bias, NO_ORDER if order is None else order, scale)
+
+
+NO_ORDER = torch.empty(0, dtype=torch.long)  # the kernel's "columns are slots"

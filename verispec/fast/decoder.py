@@ -274,7 +274,7 @@ class FastDecoder:
             if canon is None:
                 x = native_ext.module().layers(*common, *self._native_shape())
             elif attend.runs_on(kv[0]):  # attend.py's kernel: the plan's order is all it needs
-                none = torch.empty(0, dtype=torch.long)
+                none = attend.NO_ORDER
                 x = native_ext.module().layers_canonical(*common, canon.order, none, [], [], None, none, True,
                                                          *self._native_shape())
             else:

@@ -135,7 +135,8 @@ at::Tensor layers(at::Tensor x, const std::vector<std::vector<at::Tensor>>& ws,
 }
 
 // canonical.attention's operations: q [H, T, D], caches [KVH, S, D], bias [G*T, L]; kernel: attend.py's
-// kernel (order the plan's [T, L] order), else the PyTorch operations with the plan's tensors as
+// kernel (order the plan's [T, L] order, or none: then `flat` is the empty tensor the kernel reads as
+// "columns are slots"), else the PyTorch operations with the plan's tensors as
 // Canon.expanded(G) and Canon.flat_slots give them
 struct Canon {
   bool kernel;
@@ -153,7 +154,7 @@ at::Tensor canon_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::attend", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, double)>();
-    return op.call(q, k_cache, v_cache, bias, c.order.has_value() ? *c.order : at::empty({0}, at::kLong), scale);
+    return op.call(q, k_cache, v_cache, bias, c.order.has_value() ? *c.order : c.flat, scale);
   }
   int64_t H = q.size(0), T = q.size(1), D = q.size(2), L = bias.size(-1), kvh = k_cache.size(0), g = H / kvh;
   at::Tensor qg = (q * scale).reshape({kvh, g * T, D});
