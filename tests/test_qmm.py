@@ -64,6 +64,25 @@ def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(bits):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bfloat16_in_and_out_is_the_float32_result_rounded_once(bits):
+    """bfloat16 activations are read and the outputs rounded in the kernel: the same bits as widening the
+    input to float32 and rounding the float32 output to bfloat16 (to nearest even), NaN included; rows of
+    every remainder of the 8-row blocks (1 to 7) and whole blocks."""
+    _, _, p4, p8 = _weights(48, 576, seed=5)
+    w = p4 if bits == 4 else p8
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x[2, 7] = float("nan")
+    for m in (1, 3, 7, 8, 19):
+        got = qmm.linear(x[:m], w)
+        want = qmm.linear(x[:m].float(), w).bfloat16()
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    h = x[3:9].half()
+    assert torch.equal(qmm.linear(h, w), qmm.linear(h.float(), w).half())
+
+
 def test_quantized_formats_run_qmm_where_it_is_available():
     groups, _, _, _ = _weights(64, 128)
     assert isinstance(quant.prepare(groups, "q4", torch.bfloat16), qmm.QWeight)

@@ -235,19 +235,9 @@ TORCH_LIBRARY_IMPL(verispec, CPU, m) {
 """
 
 def _load() -> str | None:
-    level = _level()  # the build is named after it, so a build for another CPU is never loaded
+    level = ops.x86_level()  # the build is named after it, so a build for another CPU is never loaded
     ops.load(f"verispec_attend_{level.replace('-', '_')}", _SOURCE, ["-O3", f"-march={level}"])
     return None
-
-
-def _level() -> str:
-    """The x86-64 level this CPU has."""
-    flags = ops.cpu_flags()
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
-        return "x86-64-v4"
-    if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= flags:
-        return "x86-64-v3"
-    return "x86-64"
 
 
 OPERATOR = ops.Operator("attend", "VERISPEC_ATTEND", _load, "exact-mode attention runs PyTorch's operations")

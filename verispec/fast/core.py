@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import canonical
+from verispec.fast import canonical, norm
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch
     # in one call instead of six (cheaper per norm at decode shapes: docs/performance-notes.md)
     if gemma:  # transformers' Gemma3RMSNorm: (x * (1 + w)) in float32, then cast
         return (torch.rms_norm(x.float(), x.shape[-1:], None, eps) * (1.0 + w.float())).to(x.dtype)
-    return w * torch.rms_norm(x, x.shape[-1:], None, eps)  # LlamaRMSNorm: cast first, then scale
+    return norm.rms_norm(x, w, eps)  # LlamaRMSNorm (cast first, then scale): one kernel on the CPU
 
 
 def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype):

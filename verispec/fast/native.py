@@ -3,8 +3,9 @@
 Why. A decode step of a small model is a few hundred small operations; from Python each costs its
 interpreter and binding overhead on top of the kernel (benchmarks/native_step.py measures what this
 saves). The C++ below issues THE SAME ATen operations in the same order with the same arguments as
-core.layer_step (rms_norm, the projection kernels of packed.py / quant.py, the rotary roll, index_copy_,
-scaled_dot_product_attention, silu), so it computes the same bits: core.layer_step stays the reference
+core.layer_step (rms_norm -- norm.py's kernel where core.rms_norm calls it --, the projection kernels of
+packed.py / quant.py, the rotary roll, index_copy_, scaled_dot_product_attention, silu), so it computes the
+same bits: core.layer_step stays the reference
 and tests/test_native.py checks bit equality against it, in exact mode too (canonical.py's attention,
 its operations likewise issued from C++). A pass is one native call for all layers (`layers`, or
 `layers_canonical` in exact mode); a pass that captures hidden states calls `step` (or the halves
@@ -26,7 +27,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import packed, quant
+from verispec.fast import norm, packed, quant
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,18 @@ at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w0, const
   return b.has_value() ? y + *b : y;
 }
 
+bool norm_kernel = false;  // norm.py's kernel runs (set from Python: use_norm_kernel)
+
+void use_norm_kernel(bool on) { norm_kernel = on; }
+
+// norm.rms_norm: its kernel (registered by its own extension) on the CPU where it runs, else the composite
 at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const auto t = x.scalar_type();
+  if (norm_kernel && x.is_cpu() && w.scalar_type() == t && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf)) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::rms_norm", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(x, w, eps);
+  }
   return w * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
 }
 
@@ -210,6 +222,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step", &step);
   m.def("layers", &layers);
   m.def("layers_canonical", &layers_canonical);
+  m.def("use_norm_kernel", &use_norm_kernel);
 }
 """
 
@@ -237,6 +250,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         mod = load_inline("verispec_native_step", cpp_sources=_SOURCE, extra_cflags=["-O2"], verbose=False)
+        mod.use_norm_kernel(norm.available() is None)  # as core.rms_norm decides (norm.runs_on)
         return mod, "native"
     except Exception as exc:  # no compiler, no headers, a failed build: the Python step runs
         why = f"native step unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120] if str(exc).strip() else ''})"

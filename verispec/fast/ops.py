@@ -1,4 +1,4 @@
-"""What the fast path's own C++ operators (qmm.py, attend.py) share: one build per process, the reason
+"""What the fast path's own C++ operators (qmm.py, attend.py, norm.py) share: one build per process, the reason
 where an operator does not run, and the CPU's flags that decide it.
 
 Each is built with torch.utils.cpp_extension.load_inline and registers itself under torch.ops.verispec;
@@ -66,3 +66,13 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def x86_level() -> str:
+    """The x86-64 level this CPU has (what the kernels built for "the CPU's level" are compiled for)."""
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
+        return "x86-64-v4"
+    if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= flags:
+        return "x86-64-v3"
+    return "x86-64"

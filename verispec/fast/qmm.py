@@ -25,6 +25,15 @@ group (a GGUF Q4_0 / Q4_1 block's own scales exactly; Q4_K's products d * scale 
 8-bit weights are stored as q + 128 (the kernel's unsigned operand), so sum_k (q + 128) x8 - 128 S = I
 exactly, with one float32 scale per channel.
 
+The work per pass: the activations' 8-bit groups once (vectorised; bfloat16 activations are read and the
+outputs rounded to bfloat16 in the kernel, so a bfloat16 model's projection is one call without casts),
+then per block of 16 channels the rows in micro-kernels of up to 8 rows whose accumulators stay in
+registers, each weight group expanded once for those rows. At 8 rows the integer products share the vector
+ports with the float part of each group (convert, scale, two FMAs per row), so that part is kept minimal
+(dx * S is computed once per row and group, not per block). An AMX tile version was tried: its products
+are exact integers too (same bits), but one tile product per group of 32 and its store cost more than the
+VNNI instructions below 16 rows, so it is not kept.
+
 Built on first use with torch.utils.cpp_extension (registered as torch.ops.verispec.qmm so that the
 native layer step can call it too); `available()` says why not where the CPU lacks AVX-512 VNNI or the
 build fails, and quant.py keeps PyTorch's kernels there.
@@ -52,76 +61,136 @@ namespace {
 
 constexpr int64_t GROUP = 32, BLOCK = 16, MB = 8;
 
-// x [M, K] float -> x8 [M, K] int8, dx [M, G] (its scale per group) and S [M, G] (sum of x8 per group)
-void quantize(const float* x, int64_t M, int64_t K, int8_t* x8, float* dx, int32_t* S) {
+// The activations as the blocks read them: x8 [M, K] int8, and per row and group of 32 its scale dx, the sum
+// S of its x8 and dx * S (the 4-bit epilogue's factor, computed once per row and group, not per block).
+struct Act {
+  int8_t* x8;
+  float* dx;
+  int32_t* s;
+  float* dxs;
+};
+
+// 16 activations as float32: float32 as is, bfloat16 widened exactly
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(const at::BFloat16* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+// 16 outputs stored as float32, or rounded to bfloat16 to nearest even as c10::BFloat16 rounds (NaN: 0x7FC0)
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// x [M, K] -> Act. x8 = round-half-even(x * (127 / amax)) clamped to +-127 (the CPU's default rounding).
+template <typename In>
+__attribute__((target("avx512f,avx512bw")))
+void quantize(const In* x, int64_t M, int64_t K, const Act& act) {
   const int64_t G = K / GROUP;
+  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* xs = x + m * K + g * GROUP;
-      float amax = 0.f;
-      for (int64_t k = 0; k < GROUP; ++k) amax = std::max(amax, std::fabs(xs[k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      int8_t* out = x8 + m * K + g * GROUP;
-      for (int64_t k = 0; k < GROUP; ++k) {
-        const int32_t q = std::min(127, std::max(-127, (int32_t)std::nearbyint(xs[k] * inv)));
-        sum += q;
-        out[k] = (int8_t)q;
-      }
-      dx[m * G + g] = amax / 127.f;
-      S[m * G + g] = sum;
+      const In* xs = x + m * K + g * GROUP;
+      const __m512 v0 = load16(xs), v1 = load16(xs + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i q0 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+      const __m512i q1 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+      int8_t* out = act.x8 + m * K + g * GROUP;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(q1));
+      const float dx = amax / 127.f;
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      act.dx[m * G + g] = dx;
+      act.s[m * G + g] = sum;
+      act.dxs[m * G + g] = dx * (float)sum;
     }
   }
 }
 
-// one block of 16 output channels for all rows. I4: 4-bit weights with float16 d and c per channel and
-// group (SC [NB, G, 2, 16]); else 8-bit weights stored as q + 128 with a float32 scale per channel (SC [NB, 16])
+// The float part of one group for row i (a: its exact integer sum I over the group, 16 channels).
 template <bool I4>
+__attribute__((target("avx512f,avx512bw,f16c"), always_inline)) inline
+__m512 epilogue(__m512 acc, __m512i a, __m512 dv, __m512 cv, const Act& act, int64_t at) {
+  if (I4) {  // sum_k (d q + c) dx x8 = d dx I + c dx S
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(act.dx[at])), acc);
+    return _mm512_fmadd_ps(cv, _mm512_set1_ps(act.dxs[at]), acc);
+  }
+  // sum_k (q + 128) x8 - 128 S = I, exact; the channel's scale comes at the end
+  a = _mm512_sub_epi32(a, _mm512_set1_epi32(128 * act.s[at]));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(act.dx[at]), acc);
+}
+
+// R rows (R fixed, so the accumulators live in registers) of one block of 16 output channels. I4: 4-bit
+// weights with float16 d and c per channel and group (SC [NB, G, 2, 16]); else 8-bit weights stored as
+// q + 128 with a float32 scale per channel (SC [NB, 16]). A row's integer sum runs as two chains of 4
+// instructions (integer addition is exact, so the split changes no bit) to hide the instruction's latency.
+template <int R, bool I4, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
-void block(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const void* SC, const int8_t* X8,
-           const float* DX, const int32_t* S, float* Y) {
+void rows(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
+          Out* Y) {
   const int64_t G = K / GROUP;
   constexpr int64_t LINES = I4 ? 4 : 8;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const int64_t mb = std::min(MB, M - m0);
-    __m512 acc[MB];
-    for (int64_t i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t at = nb * G + g;
-      const uint8_t* wg = W + at * LINES * 64;
-      __m512i wv[8];
-      __m512 dv, cv;
-      if (I4) {
-        for (int j = 0; j < 4; ++j) {
-          const __m512i v = _mm512_loadu_si512(wg + 64 * j);
-          wv[2 * j] = _mm512_and_si512(v, low);
-          wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
-        const uint16_t* sc = static_cast<const uint16_t*>(SC) + at * 2 * BLOCK;
-        dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-        cv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + BLOCK)));
-      } else {
-        for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(wg + 64 * j);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t at = nb * G + g;
+    const uint8_t* wg = W + at * LINES * 64;
+    __m512i wv[8];
+    __m512 dv = _mm512_setzero_ps(), cv = _mm512_setzero_ps();
+    if (I4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(wg + 64 * j);
+        wv[2 * j] = _mm512_and_si512(v, low);
+        wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
-      for (int64_t i = 0; i < mb; ++i) {
-        const int64_t m = m0 + i;
-        const int32_t* xq = reinterpret_cast<const int32_t*>(X8 + m * K + g * GROUP);
-        __m512i a = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) a = _mm512_dpbusd_epi32(a, wv[j], _mm512_set1_epi32(xq[j]));  // {1to16}
-        const float dx = DX[m * G + g];
-        if (I4) {  // sum_k (d q + c) dx x8 = d dx I + c dx S
-          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[i]);
-          acc[i] = _mm512_fmadd_ps(cv, _mm512_set1_ps(dx * (float)S[m * G + g]), acc[i]);
-        } else {  // sum_k (q + 128) x8 - 128 S = I, exact; the channel's scale comes at the end
-          a = _mm512_sub_epi32(a, _mm512_set1_epi32(128 * S[m * G + g]));
-          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dx), acc[i]);
-        }
-      }
+      const uint16_t* sc = static_cast<const uint16_t*>(SC) + at * 2 * BLOCK;
+      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+      cv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + BLOCK)));
+    } else {
+      for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(wg + 64 * j);
     }
-    const __m512 scale = I4 ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(static_cast<const float*>(SC) + nb * BLOCK);
-    for (int64_t i = 0; i < mb; ++i)
-      _mm512_storeu_ps(Y + (m0 + i) * N + nb * BLOCK, I4 ? acc[i] : _mm512_mul_ps(acc[i], scale));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const int64_t m = m0 + i;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(act.x8 + m * K + g * GROUP);
+      __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(xq[0]));  // {1to16}
+      __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_set1_epi32(xq[1]));
+#pragma GCC unroll 3
+      for (int j = 2; j < 8; j += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, wv[j], _mm512_set1_epi32(xq[j]));
+        a1 = _mm512_dpbusd_epi32(a1, wv[j + 1], _mm512_set1_epi32(xq[j + 1]));
+      }
+      acc[i] = epilogue<I4>(acc[i], _mm512_add_epi32(a0, a1), dv, cv, act, m * G + g);
+    }
+  }
+  const __m512 scale = I4 ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(static_cast<const float*>(SC) + nb * BLOCK);
+  for (int i = 0; i < R; ++i)
+    store16(Y + (m0 + i) * N + nb * BLOCK, I4 ? acc[i] : _mm512_mul_ps(acc[i], scale));
+}
+
+// one block of 16 output channels for all M rows: MB rows at a time, then the rest
+template <bool I4, typename Out>
+void block(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
+           Out* Y) {
+  int64_t m0 = 0;
+  for (; m0 + MB <= M; m0 += MB) rows<MB, I4, Out>(nb, m0, K, N, W, SC, act, Y);
+  switch (M - m0) {
+    case 7: rows<7, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 6: rows<6, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 5: rows<5, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 4: rows<4, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 3: rows<3, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 2: rows<2, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 1: rows<1, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    default: break;
   }
 }
 
@@ -136,25 +205,29 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc) {
   TORCH_CHECK(sc.is_contiguous() && (int4 ? sc.scalar_type() == at::kHalf && sc.numel() == NB * G * 2 * BLOCK
                                           : sc.scalar_type() == at::kFloat && sc.numel() == NB * BLOCK),
               "qmm: scales do not match the weight");
-  at::Tensor xf = x.to(at::kFloat).contiguous();
+  // float32 and bfloat16 activations are read and written as they are; others go through float32
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor xc = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   at::Tensor x8 = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, G}, x.options().dtype(at::kFloat));
-  at::Tensor S = at::empty({M, G}, x.options().dtype(at::kInt));
-  quantize(xf.data_ptr<float>(), M, K, x8.data_ptr<int8_t>(), dx.data_ptr<float>(), S.data_ptr<int32_t>());
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor scales = at::empty({3, M, G}, x.options().dtype(at::kFloat));  // dx, S (int32 bits), dx * S
+  const Act act{x8.data_ptr<int8_t>(), scales[0].data_ptr<float>(), reinterpret_cast<int32_t*>(scales[1].data_ptr<float>()),
+                scales[2].data_ptr<float>()};
+  if (bf16) quantize(xc.data_ptr<at::BFloat16>(), M, K, act);
+  else quantize(xc.data_ptr<float>(), M, K, act);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* W = w.data_ptr<uint8_t>();
   const void* SC = sc.data_ptr();
-  const int8_t* X8 = x8.data_ptr<int8_t>();
-  const float* DX = dx.data_ptr<float>();
-  const int32_t* SS = S.data_ptr<int32_t>();
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      if (int4) block<true>(nb, M, K, N, W, SC, X8, DX, SS, Y);
-      else block<false>(nb, M, K, N, W, SC, X8, DX, SS, Y);
-    }
-  });
-  return y.to(x.scalar_type());
+  auto run = [&](auto* Y) {
+    at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        if (int4) block<true>(nb, M, K, N, W, SC, act, Y);
+        else block<false>(nb, M, K, N, W, SC, act, Y);
+      }
+    });
+  };
+  if (bf16) run(y.data_ptr<at::BFloat16>());
+  else run(y.data_ptr<float>());
+  return bf16 || x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 }  // namespace
