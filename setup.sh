@@ -28,4 +28,6 @@ fi
 .venv/bin/python -c "from verispec.fast import qmm; print('quantized weights kernel:', qmm.available() or 'qmm')"
 # and exact mode's attention kernel (verispec/fast/attend.py; PyTorch's operations without it)
 .venv/bin/python -c "from verispec.fast import attend; print('exact attention kernel:', attend.available() or 'attend')"
+# and the RMSNorm kernel (verispec/fast/norm.py; torch.rms_norm without it)
+.venv/bin/python -c "from verispec.fast import norm; print('rms_norm kernel:', norm.available() or 'rms_norm')"
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"
