@@ -38,9 +38,15 @@ void rows(const T* x, const T* w, T* out, int64_t r0, int64_t r1, int64_t D, flo
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * D;
     float lanes[W] = {};
-    for (int64_t k = 0; k < D; ++k) {
-      const float v = static_cast<float>(xr[k]);
-      lanes[k % W] += v * v;
+    int64_t k = 0;
+    for (; k + W <= D; k += W)  // element k into lane k % W, in order (a shape the compiler vectorises)
+      for (int i = 0; i < W; ++i) {
+        const float v = static_cast<float>(xr[k + i]);
+        lanes[i] += v * v;
+      }
+    for (int i = 0; k + i < D; ++i) {
+      const float v = static_cast<float>(xr[k + i]);
+      lanes[i] += v * v;
     }
     for (int s = W / 2; s >= 1; s /= 2)
       for (int i = 0; i < s; ++i) lanes[i] += lanes[i + s];
