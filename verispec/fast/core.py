@@ -35,9 +35,8 @@ class Arch:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
-    # torch.rms_norm normalises in float32 for bfloat16 input and rounds once, the bits of transformers'
-    # x.float() * rsqrt(mean(x^2) + eps) then .to(dtype) (checked on random rows, 1 to 256, both dtypes),
-    # in one call instead of six (cheaper per norm at decode shapes: docs/performance-notes.md)
+    # transformers' roundings: the normalised row in float32 cast once to the dtype, then the weight's product;
+    # norm.py's kernel on the CPU (one call instead of torch.rms_norm's half dozen), else torch.rms_norm
     if gemma:  # transformers' Gemma3RMSNorm: (x * (1 + w)) in float32, then cast
         return (torch.rms_norm(x.float(), x.shape[-1:], None, eps) * (1.0 + w.float())).to(x.dtype)
     return norm.rms_norm(x, w, eps)  # LlamaRMSNorm (cast first, then scale): one kernel on the CPU
