@@ -397,13 +397,15 @@ def test_server_requests_share_one_cache():
 @pytest.mark.real_model
 def test_smollm2_bfloat16_exact_mode_equals_plain_decoding():
     """SmolLM2-135M in bfloat16 on the fast path (exact mode): chain and dynamic tree equal plain
-    decoding; the second request of a repeated task is drafted from the first one's output."""
+    decoding; a repeated request is drafted from the first one's output (a similar request may or may
+    not share text with it: that depends on the model's greedy wording, which an ulp can change)."""
     from verispec.models import load_model
 
     torch.set_num_threads(2)
     target = load_model("smollm2-135m", dtype="bfloat16")
     params = SamplingParams(max_new_tokens=32)
-    chats = ["Translate to French: the red house is big.", "Translate to French: the blue car is small."]
+    chats = ["Translate to French: the red house is big.", "Translate to French: the blue car is small.",
+             "Translate to French: the red house is big."]
     for opts in (dict(draft_length=8), dict(tree="dynamic", tree_budget=15)):
         cache = SuffixCache()
         for chat in chats:
@@ -411,7 +413,7 @@ def test_smollm2_bfloat16_exact_mode_equals_plain_decoding():
             plain = build_engine(target, "ar").generate(ids, params)
             g = build_engine(target, "suffix", suffix_cache=cache, **opts).generate(ids, params)
             assert g.token_ids == plain.token_ids, (chat, opts)
-        assert cache.sequences == 2 and g.stats.accepted > 0
+        assert cache.sequences == 3 and g.stats.accepted > 0
 
 
 def test_bench_keeps_the_cache_across_questions_but_not_the_warm_up():
