@@ -209,9 +209,9 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor xc = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   at::Tensor x8 = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({3, M, G}, x.options().dtype(at::kFloat));  // dx, S (int32 bits), dx * S
-  const Act act{x8.data_ptr<int8_t>(), scales[0].data_ptr<float>(), reinterpret_cast<int32_t*>(scales[1].data_ptr<float>()),
-                scales[2].data_ptr<float>()};
+  at::Tensor scales = at::empty({2, M, G}, x.options().dtype(at::kFloat));  // dx, dx * S
+  at::Tensor sums = at::empty({M, G}, x.options().dtype(at::kInt));
+  const Act act{x8.data_ptr<int8_t>(), scales[0].data_ptr<float>(), sums.data_ptr<int32_t>(), scales[1].data_ptr<float>()};
   if (bf16) quantize(xc.data_ptr<at::BFloat16>(), M, K, act);
   else quantize(xc.data_ptr<float>(), M, K, act);
   at::Tensor y = at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
