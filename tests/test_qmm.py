@@ -48,6 +48,44 @@ def test_kernel_computes_its_arithmetic(bits):
     assert ((want - exact).abs() <= bound * (1 + 1e-6) + 1e-9).all()
 
 
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c rounded once (the float32 product is exact in float64; the sum's float64 rounding
+    could only matter where it lands on a float32 tie, which the seeds below do not hit)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _kernel_in_float32_steps(x: torch.Tensor, w: qmm.QWeight) -> torch.Tensor:
+    """The float32 operations the kernel's docstring states, in its order, one rounding each: x's 8-bit
+    groups, the exact integer sums I per group, then group by group acc += I * (d * dx) and acc += c * (dx * S)
+    (8 bits: acc += I * dx, times the channel's scale at the end)."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // 32, 32)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    x8 = (xg * inv[..., None]).round().clamp(-127, 127)
+    dx, sums = amax / 127, x8.sum(-1)
+    q, d, c = qmm.unpack(w)
+    ints = torch.einsum("mgk,ngk->mng", x8.double(), q.reshape(q.shape[0], -1, 32).double()).float()  # exact
+    acc = torch.zeros(m, q.shape[0])
+    for g in range(k // 32):
+        if w.int4:
+            acc = _fma(ints[..., g], d[None, :, g] * dx[:, g, None], acc)
+            acc = _fma(c[None, :, g].expand_as(acc), (dx[:, g] * sums[:, g])[:, None].expand_as(acc), acc)
+        else:
+            acc = _fma(ints[..., g], dx[:, g, None].expand_as(acc), acc)
+    return acc if w.int4 else acc * d[None, :, 0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_is_its_float32_steps_bit_for_bit(bits):
+    """Both instruction sets' kernels (AVX-512 VNNI and AVX2, whichever this CPU runs) perform exactly the
+    stated float32 operations in the stated order, so a model's bits do not depend on which one ran."""
+    _, _, p4, p8 = _weights(64, 576, seed=7)
+    w = p4 if bits == 4 else p8
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(8)) * 3
+    assert torch.equal(qmm.linear(x, w), _kernel_in_float32_steps(x, w))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_rows_bits_do_not_depend_on_the_pass_or_the_threads(bits):
     _, _, p4, p8 = _weights(160, 576, seed=3)

@@ -1,4 +1,4 @@
-"""4- and 8-bit weights times int8 activations with exact integer dot products (AVX-512 VNNI).
+"""4- and 8-bit weights times int8 activations with exact integer dot products (AVX-512 VNNI or AVX2).
 
 Why. PyTorch's weight-only int4 / int8 CPU kernels read quantized weights fast at one row, but they
 dequantize every weight again for each small block of rows, so a pass over 8 or 16 positions (a
@@ -12,11 +12,14 @@ paying. Here every weight is expanded once per pass whatever the rows, and the p
                                                     group of 32: llama.cpp's Q8 activation blocks)
     y[m, n] = sum over g of  d * dx * I + c * dx * S,   I = sum_k q * x8,  S = sum_k x8  (int32, exact)
 
-`vpdpbusd` computes I exactly, 64 products per instruction; the float part runs in a fixed order per
-output (group by group), so a row's result never depends on the other rows of the pass, the number of
-rows or the threads: exact mode's row invariance holds by construction (the load-time probe still checks
-it). The weights keep the file's own scales; the cost is the activations' rounding to 8 bits per 32-group,
-which llama.cpp's Q4/Q8 dot products also do (the error bound is tested in tests/test_qmm.py).
+`vpdpbusd` computes I exactly, 64 products per instruction (AVX-512 VNNI; on AVX2 CPUs such as Zen 3,
+`vpmaddubsw` + `vpmaddwd`, 32 products, no sum saturating: see the AVX2 section of the source); the float
+part runs in the same fixed order per output (group by group) on both, so both give the same bits
+(tests/test_qmm.py checks the kernel against its float32 operations written out). A row's result thus
+never depends on the other rows of the pass, the number of rows or the threads: exact mode's row
+invariance holds by construction (the load-time probe still checks it). The weights keep the file's own
+scales; the cost is the activations' rounding to 8 bits per 32-group, which llama.cpp's Q4/Q8 dot
+products also do (the error bound is tested in tests/test_qmm.py).
 
 Layout (`pack4`, `pack8`): per block of 16 output channels and group, 8 lines of 64 bytes, line j holding
 for each of the 16 channels the 4 weights k = 4j .. 4j + 3 (the `vpdpbusd` lane order); 4-bit weights put
@@ -35,8 +38,9 @@ are exact integers too (same bits), but one tile product per group of 32 and its
 VNNI instructions below 16 rows, so it is not kept.
 
 Built on first use with torch.utils.cpp_extension (registered as torch.ops.verispec.qmm so that the
-native layer step can call it too); `available()` says why not where the CPU lacks AVX-512 VNNI or the
-build fails, and quant.py keeps PyTorch's kernels there.
+native layer step can call it too), one build holding both instruction sets, chosen per process by the CPU;
+`available()` says why not where the CPU has neither or the build fails, and quant.py keeps PyTorch's
+kernels there.
 """
 
 from __future__ import annotations
@@ -194,6 +198,153 @@ void block(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const 
   }
 }
 
+// ---- AVX2 + FMA + F16C (no VNNI, e.g. Zen 3): the same arithmetic on 256-bit vectors ----
+// Same packing, same rounding of the activations, the same exact integer sums I and S, and the same float
+// operations in the same order per output, so both kernels give the same bits. The integer sums come from
+// `vpmaddubsw` (unsigned x signed bytes, adjacent pairs summed into int16, saturating) and `vpmaddwd`
+// (int16 pairs into int32); no pair may saturate: 4-bit weights (0..15) x x8 (|x8| <= 127) keep all 16
+// products of a channel's int16 lane within 16 * 15 * 127 = 30480 over a whole group, so one `vpmaddwd`
+// per group; 8-bit weights take llama.cpp's sign trick (|q| x sign(q) x8, a pair at most 2 * 127 * 127 =
+// 32258), one `vpmaddwd` per line. A block of 16 channels runs as two halves of 8, each half's 32-byte
+// slice of the 64-byte lines.
+constexpr int64_t MB2 = 4;
+
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const at::BFloat16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+__attribute__((target("avx2,fma"), always_inline)) inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // r holds 0..0xFFFF per lane: the unsigned-saturating pack keeps it; the permute puts lanes 0..7 in order
+  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(p16));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+template <typename In>
+__attribute__((target("avx2,fma")))
+void quantize2(const In* x, int64_t M, int64_t K, const Act& act) {
+  const int64_t G = K / GROUP;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const In* xs = x + m * K + g * GROUP;
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = load8(xs + 8 * j);
+      const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                     _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+      const float amax = hmax8(a);
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_max_epi32(lo, _mm256_min_epi32(hi, _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv))));
+      // int32 -> int8 (no saturation: |q| <= 127); the packs interleave 128-bit lanes, the permute undoes it
+      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(act.x8 + m * K + g * GROUP), _mm256_permutevar8x32_epi32(b, order));
+      const float dx = amax / 127.f;
+      const int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      act.dx[m * G + g] = dx;
+      act.s[m * G + g] = sum;
+      act.dxs[m * G + g] = dx * (float)sum;
+    }
+  }
+}
+
+// R rows of the 8 channels nb * 16 + 8 * h .. + 8 (see rows above for the arguments)
+template <int R, bool I4, typename Out>
+__attribute__((target("avx2,fma,f16c")))
+void rows2(int64_t nb, int h, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
+           Out* Y) {
+  const int64_t G = K / GROUP;
+  constexpr int64_t LINES = I4 ? 4 : 8;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t at = nb * G + g;
+    const uint8_t* wg = W + at * LINES * 64 + 32 * h;
+    __m256i wv[8], mag[8];
+    __m256 dv = _mm256_setzero_ps(), cv = _mm256_setzero_ps();
+    if (I4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j));
+        wv[2 * j] = _mm256_and_si256(v, low);
+        wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      const uint16_t* sc = static_cast<const uint16_t*>(SC) + at * 2 * BLOCK + 8 * h;
+      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BLOCK)));
+    } else {
+      for (int j = 0; j < 8; ++j) {  // q + 128 -> q (signed), and |q| for the unsigned operand
+        wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j)), flip);
+        mag[j] = _mm256_abs_epi8(wv[j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const int64_t m = m0 + i;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(act.x8 + m * K + g * GROUP);
+      __m256i a;
+      if (I4) {
+        __m256i s = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xq[0]));
+#pragma GCC unroll 7
+        for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xq[j])));
+        a = _mm256_madd_epi16(s, ones);
+      } else {
+        a = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[j], _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), wv[j])), ones));
+      }
+      const int64_t t = m * G + g;
+      if (I4) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(act.dx[t])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(cv, _mm256_set1_ps(act.dxs[t]), acc[i]);
+      } else {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(act.dx[t]), acc[i]);
+      }
+    }
+  }
+  const __m256 scale = I4 ? _mm256_set1_ps(1.f) : _mm256_loadu_ps(static_cast<const float*>(SC) + nb * BLOCK + 8 * h);
+  for (int i = 0; i < R; ++i)
+    store8(Y + (m0 + i) * N + nb * BLOCK + 8 * h, I4 ? acc[i] : _mm256_mul_ps(acc[i], scale));
+}
+
+template <bool I4, typename Out>
+void block2(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
+            Out* Y) {
+  for (int h = 0; h < 2; ++h) {
+    int64_t m0 = 0;
+    for (; m0 + MB2 <= M; m0 += MB2) rows2<MB2, I4, Out>(nb, h, m0, K, N, W, SC, act, Y);
+    switch (M - m0) {
+      case 3: rows2<3, I4, Out>(nb, h, m0, K, N, W, SC, act, Y); break;
+      case 2: rows2<2, I4, Out>(nb, h, m0, K, N, W, SC, act, Y); break;
+      case 1: rows2<1, I4, Out>(nb, h, m0, K, N, W, SC, act, Y); break;
+      default: break;
+    }
+  }
+}
+
 // x [M, K] (any float dtype) -> [M, N] in x's dtype. 4-bit: w [N / 16, K / 32, 256] uint8, sc [N / 16, K / 32,
 // 2, 16] float16 (d, c); 8-bit: w [N / 16, K / 32, 512] uint8, sc [N / 16, 16] float32
 at::Tensor qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc) {
@@ -212,16 +363,18 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc) {
   at::Tensor scales = at::empty({2, M, G}, x.options().dtype(at::kFloat));  // dx, dx * S
   at::Tensor sums = at::empty({M, G}, x.options().dtype(at::kInt));
   const Act act{x8.data_ptr<int8_t>(), scales[0].data_ptr<float>(), sums.data_ptr<int32_t>(), scales[1].data_ptr<float>()};
-  if (bf16) quantize(xc.data_ptr<at::BFloat16>(), M, K, act);
-  else quantize(xc.data_ptr<float>(), M, K, act);
+  // chosen once per process: the same bits either way (see the AVX2 section)
+  static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  if (bf16) vnni ? quantize(xc.data_ptr<at::BFloat16>(), M, K, act) : quantize2(xc.data_ptr<at::BFloat16>(), M, K, act);
+  else vnni ? quantize(xc.data_ptr<float>(), M, K, act) : quantize2(xc.data_ptr<float>(), M, K, act);
   at::Tensor y = at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* W = w.data_ptr<uint8_t>();
   const void* SC = sc.data_ptr();
   auto run = [&](auto* Y) {
     at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
       for (int64_t nb = b0; nb < b1; ++nb) {
-        if (int4) block<true>(nb, M, K, N, W, SC, act, Y);
-        else block<false>(nb, M, K, N, W, SC, act, Y);
+        if (vnni) int4 ? block<true>(nb, M, K, N, W, SC, act, Y) : block<false>(nb, M, K, N, W, SC, act, Y);
+        else int4 ? block2<true>(nb, M, K, N, W, SC, act, Y) : block2<false>(nb, M, K, N, W, SC, act, Y);
       }
     });
   };
@@ -254,9 +407,9 @@ class QWeight(NamedTuple):
 
 
 def _load() -> str | None:
-    missing = {"avx512f", "avx512bw", "avx512_vnni"} - ops.cpu_flags()
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))} (integer dot products)"
+    flags = ops.cpu_flags()
+    if not ({"avx512f", "avx512bw", "avx512_vnni"} <= flags or {"avx2", "fma", "f16c"} <= flags):
+        return "the CPU lacks AVX2 with FMA and F16C (and AVX-512 VNNI)"
     ops.load("verispec_qmm", _SOURCE, ["-O3"])
     return None
 
@@ -314,8 +467,9 @@ def reference(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return ((x8.double() * (amax / 127).double()).reshape(m, k)) @ dense(w).double().T
 
 
-def dense(w: QWeight) -> torch.Tensor:
-    """The float32 [N, K] weight a packed weight stands for."""
+def unpack(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integers and scales a packed weight holds: q [N, K] (0..15, or -127..127 for 8 bits) and d, c
+    [N, K / 32] float32 with w = d * q + c (8 bits: d the channel's scale repeated, c = 0)."""
     nb, g, _ = w.w.shape
     raw = w.w.reshape(nb, g, -1, BLOCK, 4)
     if w.int4:
@@ -324,6 +478,15 @@ def dense(w: QWeight) -> torch.Tensor:
         q = raw.float() - 128
     q = q.permute(0, 3, 1, 2, 4).reshape(nb * BLOCK, g * GROUP)  # [N, K]
     if not w.int4:
-        return w.sc.reshape(-1, 1) * q
-    d, c = (w.sc[:, :, i].float().permute(0, 2, 1).reshape(nb * BLOCK, g).repeat_interleave(GROUP, 1) for i in (0, 1))
-    return d * q + c
+        d = w.sc.reshape(-1, 1).expand(-1, g)
+        return q, d, torch.zeros_like(d)
+    d, c = (w.sc[:, :, i].float().permute(0, 2, 1).reshape(nb * BLOCK, g) for i in (0, 1))
+    return q, d, c
+
+
+def dense(w: QWeight) -> torch.Tensor:
+    """The float32 [N, K] weight a packed weight stands for."""
+    q, d, c = unpack(w)
+    if not w.int4:
+        return d[:, :1] * q
+    return d.repeat_interleave(GROUP, 1) * q + c.repeat_interleave(GROUP, 1)
