@@ -45,25 +45,56 @@ _SOURCE = r"""
 
 namespace {
 
-// 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones (the compiler splits it per target)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int W = 16;
+// 16 lanes are the unit of the arithmetic (a dot product's lane l sums dims l, l + 16, ...); they are held as
+// P vectors of the target's native width (one AVX-512 register, two AVX2 ones, four SSE ones): GCC keeps a
+// vector wider than the target's registers in memory and builds its broadcasts element by element, which
+// made this kernel ~30x slower than its arithmetic on AVX2. Every operation is lane-wise over the 16 lanes
+// but for the fixed reduction trees, so the bits do not depend on P.
+#if defined(__AVX512F__)
+constexpr int NL = 16;
+#elif defined(__AVX__)
+constexpr int NL = 8;
+#else
+constexpr int NL = 4;
+#endif
+constexpr int W = 16, P = W / NL;
+typedef float vn __attribute__((vector_size(NL * 4)));
+typedef int32_t vni __attribute__((vector_size(NL * 4)));
+struct vf { vn p[P]; };
 
-inline vf load(const float* p) { vf x; std::memcpy(&x, p, sizeof x); return x; }
-inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+// piece by piece: a copy of the whole struct goes through the stack in halves, which stalls the loads after it
+inline vf load(const float* x) {
+  vf v;
+  for (int k = 0; k < P; ++k) std::memcpy(&v.p[k], x + NL * k, sizeof(vn));
+  return v;
+}
+inline void store(float* x, const vf& v) {
+  for (int k = 0; k < P; ++k) std::memcpy(x + NL * k, &v.p[k], sizeof(vn));
+}
+inline float lane(const vf& v, int l) { return v.p[l / NL][l % NL]; }
 // chunk c of a head_dim vector (C chunks, the last one `last` floats long, zeros after)
 template <int C>
-inline vf chunk(const float* p, int c, int last) {
-  if (c < C - 1 || last == W) return load(p + W * c);
-  vf x = {};
-  std::memcpy(&x, p + W * c, last * sizeof(float));
-  return x;
+inline vf chunk(const float* x, int c, int last) {
+  if (c < C - 1 || last == W) return load(x + W * c);
+  vf v = {};
+  for (int l = 0; l < last; ++l) v.p[l / NL][l % NL] = x[W * c + l];
+  return v;
 }
 
-// acc[0..16) of 16 partial sums each -> the 16 sums: lanes l and l + 8 added, then l and l + 4, l + 2, l + 1,
-// the same tree for every vector whatever its place (a key's score never depends on its block neighbours)
+// the 16 lanes of one vector summed by a fixed tree: lanes l and l + 8 added, then l and l + 4, l + 2, l + 1
+inline float hsum(const vf& v) {
+  float t[W];
+  store(t, v);
+  for (int w = W / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
+}
+
+// acc[0..16) -> lane i = hsum(acc[i]) (the same tree, so a key's score never depends on its block
+// neighbours), computed for the 16 vectors together by shuffles: per native width the same pairs are added
+#if defined(__AVX512F__)
 inline vf reduce16(vf* a) {
+  typedef int32_t vi __attribute__((vector_size(64)));
   const vi m1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const vi m1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
   const vi m2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -72,37 +103,51 @@ inline vf reduce16(vf* a) {
   const vi m3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
   const vi m4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
   const vi m4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  for (int p = 0; p < 8; ++p) a[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], m1a) + __builtin_shuffle(a[2 * p], a[2 * p + 1], m1b);
-  for (int p = 0; p < 4; ++p) a[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], m2a) + __builtin_shuffle(a[2 * p], a[2 * p + 1], m2b);
-  for (int p = 0; p < 2; ++p) a[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], m3a) + __builtin_shuffle(a[2 * p], a[2 * p + 1], m3b);
-  return __builtin_shuffle(a[0], a[1], m4a) + __builtin_shuffle(a[0], a[1], m4b);
+  vn x[W];
+  for (int p = 0; p < W; ++p) x[p] = a[p].p[0];
+  for (int p = 0; p < 8; ++p) x[p] = __builtin_shuffle(x[2 * p], x[2 * p + 1], m1a) + __builtin_shuffle(x[2 * p], x[2 * p + 1], m1b);
+  for (int p = 0; p < 4; ++p) x[p] = __builtin_shuffle(x[2 * p], x[2 * p + 1], m2a) + __builtin_shuffle(x[2 * p], x[2 * p + 1], m2b);
+  for (int p = 0; p < 2; ++p) x[p] = __builtin_shuffle(x[2 * p], x[2 * p + 1], m3a) + __builtin_shuffle(x[2 * p], x[2 * p + 1], m3b);
+  return vf{{__builtin_shuffle(x[0], x[1], m4a) + __builtin_shuffle(x[0], x[1], m4b)}};
 }
-
-// the 16 lanes of one vector summed by the same tree
-inline float hsum(vf x) {
+#elif defined(__AVX__)
+// halves of 8 lanes: step 1 adds a vector's two halves (no shuffle); steps 2-4 are the 16-lane masks
+// restricted to the half they write
+inline vf reduce16(vf* a) {
+  const vni m2a = {0, 1, 2, 3, 8, 9, 10, 11}, m2b = {4, 5, 6, 7, 12, 13, 14, 15};
+  const vni m3a = {0, 1, 4, 5, 8, 9, 12, 13}, m3b = {2, 3, 6, 7, 10, 11, 14, 15};
+  const vni m4a = {0, 2, 4, 6, 8, 10, 12, 14}, m4b = {1, 3, 5, 7, 9, 11, 13, 15};
+  vn h[W];
+  for (int p = 0; p < W; ++p) h[p] = a[p].p[0] + a[p].p[1];
+  for (int p = 0; p < 8; ++p) h[p] = __builtin_shuffle(h[2 * p], h[2 * p + 1], m2a) + __builtin_shuffle(h[2 * p], h[2 * p + 1], m2b);
+  for (int p = 0; p < 4; ++p) h[p] = __builtin_shuffle(h[2 * p], h[2 * p + 1], m3a) + __builtin_shuffle(h[2 * p], h[2 * p + 1], m3b);
+  for (int p = 0; p < 2; ++p) h[p] = __builtin_shuffle(h[2 * p], h[2 * p + 1], m4a) + __builtin_shuffle(h[2 * p], h[2 * p + 1], m4b);
+  return vf{{h[0], h[1]}};
+}
+#else
+inline vf reduce16(vf* a) {
   float t[W];
-  store(t, x);
-  for (int w = W / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) t[l] += t[l + w];
-  return t[0];
+  for (int i = 0; i < W; ++i) t[i] = hsum(a[i]);
+  return load(t);
 }
+#endif
 
 // exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); x < -87 gives 0
-inline vf vexp(vf x) {
-  const vf lo = x < -87.0f ? vf{} + 1.0f : vf{};
-  vf xc = x < -87.0f ? vf{} - 87.0f : x;
-  vi ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi);  // round to nearest (xc <= 0)
-  vf n = __builtin_convertvector(ni, vf);
-  vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
+inline vn vexp(vn x) {
+  const vn lo = x < -87.0f ? vn{} + 1.0f : vn{};
+  vn xc = x < -87.0f ? vn{} - 87.0f : x;
+  vni ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vni);  // round to nearest (xc <= 0)
+  vn n = __builtin_convertvector(ni, vn);
+  vn r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vn p = vn{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  vf y = p * r * r + r + 1.0f;
-  vf two_n = (vf)((ni + 127) << 23);
-  return lo != 0.0f ? vf{} : y * two_n;
+  vn y = p * r * r + r + 1.0f;
+  vn two_n = (vn)((ni + 127) << 23);
+  return lo != 0.0f ? vn{} : y * two_n;
 }
 
 // one kv head's g query heads for query row t (head dim D: C chunks of 16, the last `last` long): out[j]
@@ -114,34 +159,46 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
   for (int64_t c = 0; c < L; ++c)
     if (bias[c] == 0.0f) slot[n++] = order ? order[c] : c;
   const int64_t nb = (n + W - 1) / W;
+  const float inf = std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < g; ++j) {
     float* sj = s + j * nb * W;
     vf qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = chunk<C>(q[j], c, last) * scale;
-    vf mx = vf{} - std::numeric_limits<float>::infinity();
+    for (int c = 0; c < C; ++c) {
+      qv[c] = chunk<C>(q[j], c, last);
+      for (int k = 0; k < P; ++k) qv[c].p[k] *= scale;
+    }
+    vf mx;
+    for (int k = 0; k < P; ++k) mx.p[k] = vn{} - inf;
     for (int64_t b = 0; b < nb; ++b) {  // 16 keys at a time: their dot products, reduced together
       vf acc[W];
       for (int i = 0; i < W; ++i) {
         vf a = {};
         if (b * W + i < n) {
-          const float* k = K + slot[b * W + i] * ks;
-          for (int c = 0; c < C; ++c) a += qv[c] * chunk<C>(k, c, last);
+          const float* kr = K + slot[b * W + i] * ks;
+#pragma GCC unroll 16
+          for (int c = 0; c < C; ++c) {
+            const vf kc = chunk<C>(kr, c, last);
+            for (int k = 0; k < P; ++k) a.p[k] += qv[c].p[k] * kc.p[k];
+          }
         }
         acc[i] = a;
       }
       vf sc = reduce16(acc);
       if ((b + 1) * W > n)  // past the last key: -inf, so exp gives 0
-        for (int i = n - b * W; i < W; ++i) sc[i] = -std::numeric_limits<float>::infinity();
+        for (int i = n - b * W; i < W; ++i) sc.p[i / NL][i % NL] = -inf;
       store(sj + b * W, sc);
-      mx = sc > mx ? sc : mx;
+      for (int k = 0; k < P; ++k) mx.p[k] = sc.p[k] > mx.p[k] ? sc.p[k] : mx.p[k];
     }
-    float m = mx[0];
-    for (int l = 1; l < W; ++l) m = mx[l] > m ? mx[l] : m;
+    float m = lane(mx, 0);
+    for (int l = 1; l < W; ++l) m = lane(mx, l) > m ? lane(mx, l) : m;
     vf tot = {};
     for (int64_t b = 0; b < nb; ++b) {
-      vf p = vexp(load(sj + b * W) - m);
+      vf p = load(sj + b * W);
+      for (int k = 0; k < P; ++k) {
+        p.p[k] = vexp(p.p[k] - m);
+        tot.p[k] += p.p[k];
+      }
       store(sj + b * W, p);
-      tot += p;
     }
     const float total = hsum(tot);
     vf o0[C] = {}, o1[C] = {};  // even and odd keys apart (two chains), added at the end
@@ -149,17 +206,25 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
     for (; i + 1 < n; i += 2) {
       const float* v0 = V + slot[i] * vs;
       const float* v1 = V + slot[i + 1] * vs;
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) {
-        o0[c] += sj[i] * chunk<C>(v0, c, last);
-        o1[c] += sj[i + 1] * chunk<C>(v1, c, last);
+        const vf a0 = chunk<C>(v0, c, last), a1 = chunk<C>(v1, c, last);
+        for (int k = 0; k < P; ++k) {
+          o0[c].p[k] += sj[i] * a0.p[k];
+          o1[c].p[k] += sj[i + 1] * a1.p[k];
+        }
       }
     }
     if (i < n) {
       const float* v0 = V + slot[i] * vs;
-      for (int c = 0; c < C; ++c) o0[c] += sj[i] * chunk<C>(v0, c, last);
+      for (int c = 0; c < C; ++c) {
+        const vf a0 = chunk<C>(v0, c, last);
+        for (int k = 0; k < P; ++k) o0[c].p[k] += sj[i] * a0.p[k];
+      }
     }
     for (int c = 0; c < C; ++c) {
-      vf o = (o0[c] + o1[c]) / total;
+      vf o;
+      for (int k = 0; k < P; ++k) o.p[k] = (o0[c].p[k] + o1[c].p[k]) / total;
       std::memcpy(out[j] + W * c, &o, (c < C - 1 ? W : last) * sizeof(float));
     }
   }

@@ -13,7 +13,8 @@ its operations likewise issued from C++). A pass is one native call for all laye
 
 What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
 are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones
-(F.linear); anything else (Gemma 3, Qwen3, packed.py's bf16 hybrid of AVX2 CPUs) runs core.layer_step. Built on first use with
+(F.linear), or packed.py's bf16 hybrid of AVX2 CPUs (F.linear at one row, the widened float32 copy at more);
+anything else (Gemma 3, Qwen3) runs core.layer_step. Built on first use with
 torch.utils.cpp_extension (a C++ compiler is needed; setup.sh builds it once); where the build fails
 or VERISPEC_NATIVE=0 the Python step runs, and `status()` says why.
 """
@@ -32,7 +33,7 @@ from verispec.fast import norm, packed, quant
 log = logging.getLogger(__name__)
 
 # projection kinds (the C++ dispatches on them): how packed.py / quant.py store and apply a weight
-PACKED, INT4, INT8, PLAIN, QMM = 0, 1, 2, 3, 4
+PACKED, INT4, INT8, PLAIN, QMM, HYBRID = 0, 1, 2, 3, 4, 5
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -40,8 +41,9 @@ _SOURCE = r"""
 
 namespace {
 
-constexpr int64_t PACKED = 0, INT4 = 1, INT8 = 2, PLAIN = 3, QMM = 4;
+constexpr int64_t PACKED = 0, INT4 = 1, INT8 = 2, PLAIN = 3, QMM = 4, HYBRID = 5;
 constexpr int64_t MIN_ROWS = 4;   // packed.MIN_ROWS
+constexpr int64_t HYBRID_ROWS = 2;  // packed.HYBRID_ROWS
 constexpr int64_t GROUP = 32;     // quant.GROUP
 
 at::Tensor raw_packed(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
@@ -52,9 +54,14 @@ at::Tensor raw_packed(const at::Tensor& x, const at::Tensor& w, const std::optio
   return stack[0].toTensor();
 }
 
-// packed._packed_linear, quant.linear, F.linear
+// packed._packed_linear, quant.linear, F.linear, packed._hybrid_linear
 at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w0, const at::Tensor& w1,
                   const std::optional<at::Tensor>& b) {
+  if (kind == HYBRID) {  // w0 the bf16 weight, w1 its widened float32 copy, packed (packed._widened)
+    if (x.size(0) < HYBRID_ROWS) return at::linear(x, w0, b);
+    const std::optional<at::Tensor> b32 = b.has_value() ? std::optional<at::Tensor>(b->to(at::kFloat)) : std::nullopt;
+    return linear(x.to(at::kFloat), PACKED, w1, w1, b32).to(x.scalar_type());
+  }
   if (kind == PACKED) {
     int64_t m = x.size(0);
     if (m >= MIN_ROWS) return raw_packed(x, w0, b);
@@ -260,7 +267,7 @@ def _build():
 
 # the functions whose kernels the C++ issues, as imported (a linear replaced later, e.g. by a test planting
 # another rounding, is not one of them and runs the Python step)
-_PACKED_LINEAR, _QUANT_LINEAR, _PLAIN_LINEAR = packed._packed_linear, quant.linear, F.linear
+_PACKED_LINEAR, _QUANT_LINEAR, _PLAIN_LINEAR, _HYBRID_LINEAR = packed._packed_linear, quant.linear, F.linear, packed._hybrid_linear
 
 
 def kind_of(linear, w) -> tuple[int, torch.Tensor, torch.Tensor] | None:
@@ -274,6 +281,8 @@ def kind_of(linear, w) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         return (INT4, w.packed, w.sz) if isinstance(w, quant.Int4) else (INT8, w.q, w.scale)
     if linear is _PLAIN_LINEAR:
         return PLAIN, w, empty
+    if linear is _HYBRID_LINEAR:
+        return HYBRID, w[0], w[1]
     return None
 
 
