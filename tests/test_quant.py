@@ -261,15 +261,31 @@ def test_smollm2_q4_runs_the_files_own_blocks():
     assert build_engine(target, "ngram", backend="fast", runner=runner).generate(ids, params).token_ids == plain
 
 
+def test_no_dense_copy_where_bf16_has_no_instructions_and_qmm_runs(monkeypatch):
+    """On AVX2 CPUs the dense copy would be packed.py's bf16 hybrid, slower than qmm at every row count."""
+    from verispec.fast import packed
+
+    real = packed.available
+    monkeypatch.setattr(quant, "_use_qmm", lambda: True)
+    monkeypatch.setattr(packed, "available", lambda dtype, device: dtype != torch.bfloat16 and real(dtype, device))
+    assert quant.wide_rows("q4") is None and quant.wide_rows("q8") is None
+    monkeypatch.setattr(packed, "available", lambda dtype, device: True)
+    assert quant.wide_rows("q4") == quant.WIDE_ROWS_QMM["q4"]
+    monkeypatch.setattr(quant, "_use_qmm", lambda: False)
+    assert quant.wide_rows("q8") == quant.WIDE_ROWS["q8"]
+
+
 @needs
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
-def test_wide_passes_run_a_dense_copy_of_the_same_weights_outside_exact_mode(fmt):
+def test_wide_passes_run_a_dense_copy_of_the_same_weights_outside_exact_mode(fmt, monkeypatch):
     """Passes of quant.wide_rows(fmt) rows or more that may round otherwise than plain decoding (prefill, passes
     outside exact mode) run the dense copy: the same weights (their dequantization in bfloat16), the bits of
-    the dense path on a model holding those weights; exact-mode passes never run it."""
+    the dense path on a model holding those weights; exact-mode passes never run it. (Where the dense copy
+    never pays, AVX2 CPUs running qmm, the mechanism is tested at 8 rows.)"""
     model = tiny_llama(layers=3, hidden=64).to(torch.bfloat16)
     ids = torch.randint(0, 32, (60,), generator=torch.Generator().manual_seed(3))
-    wide_rows = quant.wide_rows(fmt)
+    wide_rows = quant.wide_rows(fmt) or 8
+    monkeypatch.setattr(quant, "wide_rows", lambda f: wide_rows)
     n = wide_rows + 4
     runners = {name: FastRunner(model, capacity=128, exact=False, weights=fmt, **opts)
                for name, opts in (("wide", {}), ("narrow", {"wide": False}))}

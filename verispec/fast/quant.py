@@ -16,9 +16,9 @@ the rounding of d and m + 8 d to bfloat16 (`effective()` gives the float32 weigh
 by; tests/test_quant.py bounds its distance to the GGUF's float32 dequantization). Activations stay
 in bfloat16: the int4 kernel is far slower with float32 ones (docs/performance-notes.md).
 
-Where the CPU has AVX-512 VNNI, both formats run qmm.py's kernel instead (the same groups with their
-float16 scales, activations rounded to 8 bits per group, cost nearly flat in the rows, bits independent
-of the rows); elsewhere PyTorch's kernels above. `available(fmt)` probes that the kernel `prepare`
+Where qmm.py's kernel runs (AVX-512 VNNI, or AVX2 with FMA and F16C), both formats run it instead (the
+same groups with their float16 scales, activations rounded to 8 bits per group, cost growing slowly with
+the rows, bits independent of the rows); elsewhere PyTorch's kernels above. `available(fmt)` probes that the kernel `prepare`
 chooses exists and computes what its convention says; where not, the decoder falls back to the dense
 weights and says so (decoder.py).
 """
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from verispec.fast import qmm
+from verispec.fast import packed, qmm
 
 log = logging.getLogger(__name__)
 
@@ -222,15 +222,20 @@ WIDE_ROWS_QMM = {"q8": 8, "q4": 16}
 
 
 def wide_rows(fmt: str) -> int | None:
-    """The row count from which format `fmt`'s passes may run the dense copy (None: never)."""
+    """The row count from which format `fmt`'s passes may run the dense copy (None: never). Never where
+    qmm runs and the CPU has no bf16 instructions (AVX2): the dense copy is packed.py's bf16 hybrid there,
+    slower than qmm at every row count, a 256-token prefill included (results/cpu/wide_rows_avx2_zen3_1thread.json)."""
+    if _use_qmm() and not packed.available(torch.bfloat16, torch.device("cpu")):
+        return None
     return (WIDE_ROWS_QMM if _use_qmm() else WIDE_ROWS).get(fmt)
 
 
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
 # (results/cpu/fast_decode_weights_*.json): on qmm.py's kernel q4 decodes ~2.8x faster than the dense bf16
 # weights and its 8-position verification still costs less than bf16's, so the file's own 4-bit weights are
-# the default there; PyTorch's int4 / int8 kernels cost time per row (docs/performance-notes.md): q4 wins
-# plain decoding of short prompts but loses speculation's wider passes to the dense packed weights, which
-# stay the default on CPUs without qmm (AVX2 only)
+# the default there (on AVX2 CPUs too, where bf16 has no instructions of its own and q4 decodes ~5x faster:
+# results/cpu/native_step_qmm_avx2_zen3_1thread.json); PyTorch's int4 / int8 kernels cost time per row
+# (docs/performance-notes.md): q4 wins plain decoding of short prompts but loses speculation's wider passes
+# to the dense packed weights, which stay the default on CPUs without qmm (no AVX2)
 def default_format() -> str:
     return "q4" if _use_qmm() else "bf16"
