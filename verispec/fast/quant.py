@@ -18,9 +18,9 @@ in bfloat16: the int4 kernel is far slower with float32 ones (docs/performance-n
 
 Where qmm.py's kernel runs (AVX-512 VNNI, or AVX2 with FMA and F16C), both formats run it instead (the
 same groups with their float16 scales, activations rounded to 8 bits per group, cost growing slowly with
-the rows, bits independent of the rows); elsewhere PyTorch's kernels above. `available(fmt)` probes that the kernel `prepare`
-chooses exists and computes what its convention says; where not, the decoder falls back to the dense
-weights and says so (decoder.py).
+the rows, bits independent of the rows); elsewhere PyTorch's kernels above. `available(fmt)` probes that
+the kernel `prepare` chooses exists and computes what its convention says; where not, the decoder falls
+back to the dense weights and says so (decoder.py).
 """
 
 from __future__ import annotations
