@@ -124,9 +124,12 @@ def llamacpp_round(llm, ids: list[int], ctx: list[int], args) -> dict:
     got = []
     for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
         got.append(tok)
-        if len(got) >= args.tokens:
+        # stop where our engine stops (its EOS, or --tokens): tok/s includes the prefill, so the two must
+        # spread it over the same number of tokens
+        if len(got) >= args.tokens or tok == llm.token_eos():
             break
     out["tok_s"] = len(got) / (time.perf_counter() - t)
+    out["new_tokens"] = len(got)
     return out
 
 
@@ -246,19 +249,19 @@ def main() -> None:
                     loose = PassMode.of(False, opts.get("compile", False))
                     fwd.update({-n: forward_cost(runner, ctx, n, args.repeat, loose) for n in args.positions})
                     runner.reset(mode=PassMode.of(True, opts.get("compile", False)))
-                seen[name].append((gen.stats.new_tokens / gen.stats.total_time, fwd))
+                seen[name].append((gen.stats.new_tokens / gen.stats.total_time, fwd, gen.stats.new_tokens))
                 outputs[name] = gen.token_ids
         for name, got in seen.items():
             tok_s = statistics.median(g[0] for g in got)
             fwd = {n: statistics.median(g[1][n] for g in got) * 1e3 for n in (got[0][1] or {})}
             loose = {-n: fwd.pop(n) for n in [n for n in fwd if n < 0]}  # not exact: keyed -n while measured
             compiled = name in warm and "compiled" in name
-            extra = {}
+            extra = {"new_tokens": got[-1][2]} if len(got[0]) > 2 else {}
             if name in engines and isinstance(engines[name].runner, FastRunner):
                 net = engines[name].runner.net
                 nbytes = net.streamed_bytes()
                 rbw = statistics.median(bws)
-                extra = {"weights": net.weights, "weight_bytes": nbytes, "floor_ms": nbytes / rbw * 1e3}
+                extra.update({"weights": net.weights, "weight_bytes": nbytes, "floor_ms": nbytes / rbw * 1e3})
                 n1 = min(args.positions)
 
                 def over_floor(key):  # per round against that round's bandwidth, then the median
@@ -283,7 +286,7 @@ def main() -> None:
             n1 = min(args.positions)
             extra = {"weights": "the GGUF's own", "weight_bytes": gguf, "floor_ms": gguf / statistics.median(bws) * 1e3,
                      "fwd1_over_floor": statistics.median(r[n1] / (gguf / b) for r, b in zip(cpp_rounds, bws)),
-                     "status": "run"}
+                     "status": "run", "new_tokens": cpp_rounds[-1]["new_tokens"]}
             report("llama.cpp plain (same GGUF)", statistics.median(r["tok_s"] for r in cpp_rounds), fwd, extra=extra)
         elif args.weights:
             rows.append({"dtype": dtype, "config": "llama.cpp plain (same GGUF)", "status": llm})
