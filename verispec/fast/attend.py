@@ -16,8 +16,8 @@ Every dot product runs over head_dim in the same 16-lane order, sums run over th
 order, and a row is computed by one thread, so the bits of a row depend only on its own query and the
 keys and values at the positions it sees: not on the slots, the other rows, L, or the thread count
 (tests/test_attend.py; the load-time row-invariance probe still runs it). exp is a fixed polynomial
-(Cephes' expf coefficients) on vectors of 16 floats (GCC vector extensions), and a block of 16 keys'
-dot products is reduced together by one fixed shuffle tree. Built for the CPU's x86-64 level (v4: AVX-512,
+(Cephes' expf coefficients) on GCC vector extensions, the 16 lanes held as vectors of the target's own
+width (see the source), and a block of 16 keys' dot products is reduced together by one fixed tree. Built for the CPU's x86-64 level (v4: AVX-512,
 v3: AVX2 + FMA, else baseline; the build is named after the level), so Zen 3 runs it too.
 
 Float32 caches only (the CPU fast path keeps float32 caches for bfloat16 models); elsewhere (CUDA, float16
