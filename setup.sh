@@ -30,4 +30,6 @@ fi
 .venv/bin/python -c "from verispec.fast import attend; print('exact attention kernel:', attend.available() or 'attend')"
 # and the RMSNorm kernel (verispec/fast/norm.py; torch.rms_norm without it)
 .venv/bin/python -c "from verispec.fast import norm; print('rms_norm kernel:', norm.available() or 'rms_norm')"
+# and the rotary-embedding + cache-write kernel (verispec/fast/rope.py; PyTorch's operations without it)
+.venv/bin/python -c "from verispec.fast import rope; print('rope kernel:', rope.available() or 'rope_store')"
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"

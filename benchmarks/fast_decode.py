@@ -120,6 +120,7 @@ def llamacpp_round(llm, ids: list[int], ctx: list[int], args) -> dict:
             llm.eval(ctx[:n])
             times.append(time.perf_counter() - t)
         out[n] = statistics.median(times)
+    llm.reset()  # else generate() reuses the cached ctx, which starts with ids, and skips the prefill ours runs
     t = time.perf_counter()
     got = []
     for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):

@@ -361,3 +361,31 @@ def test_llama_cpp_extra_buffer_types_off_for_one_load_only(monkeypatch):
             assert binding.llama_model_default_params().use_extra_bufts is False
             raise RuntimeError("load failed")
     assert binding.llama_model_default_params is original
+
+
+def test_llama_cpp_prefills_every_prompt_in_full():
+    """llama-cpp-python's generate(reset=True) reuses cached tokens that match the prompt's start; the
+    contender clears them first, so llama.cpp pays the prefill verispec's contenders pay."""
+    from verispec.bench.baselines import LlamaCppContender
+
+    calls = []
+
+    class FakeLlama:  # records the order of calls; generate() as llama-cpp-python's: reuses what is cached
+        def __init__(self):
+            self.cached: list[int] = []
+
+        def reset(self):
+            calls.append("reset")
+            self.cached = []
+
+        def generate(self, tokens, **kw):
+            reused = len(self.cached) if self.cached == list(tokens[:len(self.cached)]) else 0
+            calls.append(("prefill", len(tokens) - reused))
+            self.cached = list(tokens)
+            yield from (7, 8, 2)
+
+    c = LlamaCppContender.__new__(LlamaCppContender)
+    c.llm, c.eos = FakeLlama(), {2}
+    assert c.generate([1, 2, 3, 4], 64) == ([7, 8], None)
+    assert c.generate([1, 2, 3, 4, 5], 64) == ([7, 8], None)
+    assert calls == ["reset", ("prefill", 4), "reset", ("prefill", 5)]

@@ -217,6 +217,10 @@ class LlamaCppContender:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
         out: list[int] = []
+        # generate(reset=True) keeps the cached tokens that match the new prompt's start (the chat template,
+        # or all of a prompt run before) and skips their prefill, while verispec's contenders prefill every
+        # prompt in full: cleared first, both pay the same prefill
+        self.llm.reset()
         for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             if tok in self.eos:
                 break

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import canonical, norm
+from verispec.fast import canonical, norm, rope
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch
 
 def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype):
     """pos [T] -> cos, sin [T, 1, head_dim] in `dtype` (computed in float32 like transformers), the first
-    half of sin negated: rotate-half then becomes a roll (`_rotate`), the same products with the sign moved
+    half of sin negated: rotate-half then becomes a roll (rope.rotate), the same products with the sign moved
     from x to sin, so the same bits."""
     freqs = pos.float()[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -53,11 +53,6 @@ def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: fl
     half = sin.shape[-1] // 2
     sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
     return cos[:, None, :], sin[:, None, :]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with sin from rope_tables (first half negated)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def layer_step(x: torch.Tensor, w: dict, kv: torch.Tensor, slots: torch.Tensor,
@@ -76,8 +71,8 @@ def layer_step(x: torch.Tensor, w: dict, kv: torch.Tensor, slots: torch.Tensor,
     canon:   a canonical.Canon plan (exact mode): attention independent of the key layout; `mask` is
              then canonical.bias(...) of the mask in canonical (position) order
     """
-    qk, qkv = _attention_in(x, w, cos, sin, a, linear)
-    return _attention_out(x, _attend(qk, qkv, kv, slots, mask, a, canon, x.dtype), w, a, linear)
+    qk, qkv = _attention_in(x, w, a, linear)
+    return _attention_out(x, _attend(qk, qkv, cos, sin, kv, slots, mask, a, canon, x.dtype), w, a, linear)
 
 
 def layer_step_parts(x: torch.Tensor, w: dict, parts: list[tuple], cos: torch.Tensor, sin: torch.Tensor, a: Arch,
@@ -87,15 +82,15 @@ def layer_step_parts(x: torch.Tensor, w: dict, parts: list[tuple], cos: torch.Te
     mask, canon) per sequence, rows the slice of x it owns, the rest as in layer_step. Each row gets the
     same operations as in layer_step, so where the GEMMs give a row the same bits at any row count
     (row_invariance.py) a sequence's result does not depend on its company."""
-    qk, qkv = _attention_in(x, w, cos, sin, a, linear)
-    o = torch.cat([_attend(qk[rows], qkv[rows], kv, slots, mask, a, canon, x.dtype)
+    qk, qkv = _attention_in(x, w, a, linear)
+    o = torch.cat([_attend(qk[rows], qkv[rows], cos[rows], sin[rows], kv, slots, mask, a, canon, x.dtype)
                    for rows, kv, slots, mask, canon in parts])
     return _attention_out(x, o, w, a, linear)
 
 
-def _attention_in(x, w, cos, sin, a: Arch, linear):
-    """The attention input norm, the q/k/v projection (one GEMM) and rotary embedding -> (q and k rotated
-    [T, H + KVH, hd], the projection [T, H + 2 KVH, hd])."""
+def _attention_in(x, w, a: Arch, linear):
+    """The attention input norm, the q/k/v projection (one GEMM) and the q/k norms -> (q and k before rotary
+    embedding [T, H + KVH, hd], the projection [T, H + 2 KVH, hd])."""
     T = x.shape[0]
     H, KVH, hd = a.n_heads, a.n_kv_heads, a.head_dim
     h = rms_norm(x, w["ln_attn"], a.eps, a.gemma_norm)
@@ -105,19 +100,19 @@ def _attention_in(x, w, cos, sin, a: Arch, linear):
                         rms_norm(qkv[:, H:H + KVH], w["k_norm"], a.eps, a.gemma_norm)), dim=1)
     else:
         qk = qkv[:, :H + KVH]
-    return _rotate(qk, cos, sin), qkv  # queries and keys in one go: per-layer op count is most of a CPU decode step
+    return qk, qkv
 
 
-def _attend(qk, qkv, kv, slots, mask, a: Arch, canon, dtype) -> torch.Tensor:
-    """Write one sequence's keys and values into its cache and attend -> [T, H * hd] in `dtype`."""
+def _attend(qk, qkv, cos, sin, kv, slots, mask, a: Arch, canon, dtype) -> torch.Tensor:
+    """Rotate one sequence's queries and keys, write its keys and values into its cache and attend ->
+    [T, H * hd] in `dtype`."""
     T = qk.shape[0]
     H, KVH, hd = a.n_heads, a.n_kv_heads, a.head_dim
-    # the position is the pointer: keys and values land in their slots in one copy, nothing is concatenated
-    # onto the cache or reallocated; the cache may hold a wider dtype than the model (float32 for bfloat16
-    # on CPU, see FastDecoder)
-    kv.index_copy_(1, slots, torch.cat((qk[:, H:], qkv[:, H + KVH:]), dim=1).transpose(0, 1).to(kv.dtype))
+    # queries and keys rotated in one go, keys and values into their slots (the cache may hold a wider dtype
+    # than the model: float32 for bfloat16 on CPU, see FastDecoder): one kernel call (rope.py), as per-layer
+    # op count is most of the non-GEMM time of a CPU decode step
+    qh = rope.rotate_store(qk, qkv[:, H + KVH:], cos, sin, kv, slots)  # [H, T, hd]
     L = mask.shape[-1]
-    qh = qk[:, :H].transpose(0, 1).to(kv.dtype)  # [H, T, hd]
     if canon is not None:
         o = canonical.attention(qh, kv[:KVH], kv[KVH:], mask, a.scale, canon)
     else:

@@ -4,8 +4,8 @@ Why. A decode step of a small model is a few hundred small operations; from Pyth
 interpreter and binding overhead on top of the kernel (benchmarks/native_step.py measures what this
 saves). The C++ below issues THE SAME ATen operations in the same order with the same arguments as
 core.layer_step (rms_norm -- norm.py's kernel where core.rms_norm calls it --, the projection kernels of
-packed.py / quant.py, the rotary roll, index_copy_, scaled_dot_product_attention, silu), so it computes the
-same bits: core.layer_step stays the reference
+packed.py / quant.py, rope.py's rotation and cache write -- its kernel or the roll and index_copy_ --,
+scaled_dot_product_attention, silu), so it computes the same bits: core.layer_step stays the reference
 and tests/test_native.py checks bit equality against it, in exact mode too (canonical.py's attention,
 its operations likewise issued from C++). A pass is one native call for all layers (`layers`, or
 `layers_canonical` in exact mode); a pass that captures hidden states calls `step` (or the halves
@@ -28,7 +28,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import norm, packed, quant
+from verispec.fast import norm, packed, quant, rope
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,17 @@ at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w0, const
 }
 
 bool norm_kernel = false;  // norm.py's kernel runs (set from Python: use_norm_kernel)
+bool rope_kernel = false;  // rope.py's kernel runs (set from Python: use_rope_kernel)
 
 void use_norm_kernel(bool on) { norm_kernel = on; }
+void use_rope_kernel(bool on) { rope_kernel = on; }
+
+bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 // norm.rms_norm: its kernel (registered by its own extension) on the CPU where it runs, else the composite
 at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const auto t = x.scalar_type();
-  if (norm_kernel && x.is_cpu() && w.scalar_type() == t && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf)) {
+  if (norm_kernel && x.is_cpu() && w.scalar_type() == t && float_type(t)) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::rms_norm", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
     return op.call(x, w, eps);
@@ -109,6 +113,14 @@ at::Tensor attn_in(const at::Tensor& x, const std::vector<at::Tensor>& w, const 
   at::Tensor h = norm(x, w[0], eps);
   at::Tensor qkv = linear(h, kinds[0], w[2], w[3], bqkv).view({T, H + 2 * KVH, hd});
   at::Tensor qk = qkv.slice(1, 0, H + KVH);
+  // rope.rotate_store: its kernel where rope.runs_on takes these inputs, else the same operations
+  if (rope_kernel && x.is_cpu() && float_type(qk.scalar_type()) && float_type(kv.scalar_type()) &&
+      cos.scalar_type() == qk.scalar_type()) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::rope_store", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           at::Tensor, const at::Tensor&)>();
+    return op.call(qk, qkv.slice(1, H + KVH), cos, sin, kv, slots);
+  }
   qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
   kv.index_copy_(1, slots, at::cat({qk.slice(1, H), qkv.slice(1, H + KVH)}, 1).transpose(0, 1).to(kv.scalar_type()));
   return qk.slice(1, 0, H).transpose(0, 1).to(kv.scalar_type());
@@ -230,6 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layers", &layers);
   m.def("layers_canonical", &layers_canonical);
   m.def("use_norm_kernel", &use_norm_kernel);
+  m.def("use_rope_kernel", &use_rope_kernel);
 }
 """
 
@@ -258,6 +271,7 @@ def _build():
 
         mod = load_inline("verispec_native_step", cpp_sources=_SOURCE, extra_cflags=["-O2"], verbose=False)
         mod.use_norm_kernel(norm.available() is None)  # as core.rms_norm decides (norm.runs_on)
+        mod.use_rope_kernel(rope.available() is None)  # as rope.rotate_store decides (rope.runs_on)
         return mod, "native"
     except Exception as exc:  # no compiler, no headers, a failed build: the Python step runs
         why = f"native step unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120] if str(exc).strip() else ''})"

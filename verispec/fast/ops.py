@@ -1,4 +1,4 @@
-"""What the fast path's own C++ operators (qmm.py, attend.py, norm.py) share: one build per process, the reason
+"""What the fast path's own C++ operators (qmm.py, attend.py, norm.py, rope.py) share: one build per process, the reason
 where an operator does not run, and the CPU's flags that decide it.
 
 Each is built with torch.utils.cpp_extension.load_inline and registers itself under torch.ops.verispec;

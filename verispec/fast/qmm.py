@@ -60,6 +60,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -270,7 +271,15 @@ void quantize2(const In* x, int64_t M, int64_t K, const Act& act) {
   }
 }
 
-// R rows of the 8 channels nb * 16 + 8 * h .. + 8 (see rows above for the arguments)
+// An empty asm that takes v in a register: the compiler cannot move v's computation past it. Without it GCC
+// issues all of a group's products first and sums them later, and the live products spill to the stack.
+__attribute__((always_inline)) inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
+// R rows of the 8 channels nb * 16 + 8 * h .. + 8 (see rows above for the arguments). AVX2 has 16 vector
+// registers: a group's 8 expanded weight lines plus R accumulators and the temporaries do not fit (the
+// accumulators went to the stack, each group's FMA waiting on a store), so the integer sums run over one
+// loaded weight vector at a time (2 lines of 4-bit weights, 1 line of 8-bit ones) for all R rows, and the
+// accumulators stay in registers. Integer sums are exact in any order, so this changes no bit.
 template <int R, bool I4, typename Out>
 __attribute__((target("avx2,fma,f16c")))
 void rows2(int64_t nb, int h, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
@@ -283,46 +292,51 @@ void rows2(int64_t nb, int h, int64_t m0, int64_t K, int64_t N, const uint8_t* W
   for (int64_t g = 0; g < G; ++g) {
     const int64_t at = nb * G + g;
     const uint8_t* wg = W + at * LINES * 64 + 32 * h;
-    __m256i wv[8], mag[8];
-    __m256 dv = _mm256_setzero_ps(), cv = _mm256_setzero_ps();
-    if (I4) {
+    const int32_t* xq[R];
+    for (int i = 0; i < R; ++i) xq[i] = reinterpret_cast<const int32_t*>(act.x8 + (m0 + i) * K + g * GROUP);
+    __m256i a[R];
+    if (I4) {  // vector j holds lines 2j (low nibbles) and 2j + 1 (high); a row's int16 sums over the group
+      __m256i s[R];
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j));
-        wv[2 * j] = _mm256_and_si256(v, low);
-        wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(xq[i][2 * j])),
+                                             _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xq[i][2 * j + 1])));
+          s[i] = j == 0 ? t : _mm256_add_epi16(s[i], t);
+          pin(s[i]);
+        }
       }
-      const uint16_t* sc = static_cast<const uint16_t*>(SC) + at * 2 * BLOCK + 8 * h;
-      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-      cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BLOCK)));
-    } else {
-      for (int j = 0; j < 8; ++j) {  // q + 128 -> q (signed), and |q| for the unsigned operand
-        wv[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j)), flip);
-        mag[j] = _mm256_abs_epi8(wv[j]);
+      for (int i = 0; i < R; ++i) a[i] = _mm256_madd_epi16(s[i], ones);
+    } else {  // q + 128 -> q (signed), and |q| for the unsigned operand
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j)), flip);
+        const __m256i mag = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(xq[i][j]), w)), ones);
+          a[i] = j == 0 ? p : _mm256_add_epi32(a[i], p);
+          pin(a[i]);
+        }
       }
     }
+    if (I4) {
+      const uint16_t* sc = static_cast<const uint16_t*>(SC) + at * 2 * BLOCK + 8 * h;
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      const __m256 cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BLOCK)));
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const int64_t m = m0 + i;
-      const int32_t* xq = reinterpret_cast<const int32_t*>(act.x8 + m * K + g * GROUP);
-      __m256i a;
-      if (I4) {
-        __m256i s = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xq[0]));
-#pragma GCC unroll 7
-        for (int j = 1; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xq[j])));
-        a = _mm256_madd_epi16(s, ones);
-      } else {
-        a = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j)
-          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[j], _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), wv[j])), ones));
-      }
-      const int64_t t = m * G + g;
-      if (I4) {
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dv, _mm256_set1_ps(act.dx[t])), acc[i]);
+      for (int i = 0; i < R; ++i) {
+        const int64_t t = (m0 + i) * G + g;
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), _mm256_mul_ps(dv, _mm256_set1_ps(act.dx[t])), acc[i]);
         acc[i] = _mm256_fmadd_ps(cv, _mm256_set1_ps(act.dxs[t]), acc[i]);
-      } else {
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(act.dx[t]), acc[i]);
       }
+    } else {
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), _mm256_set1_ps(act.dx[(m0 + i) * G + g]), acc[i]);
     }
   }
   const __m256 scale = I4 ? _mm256_set1_ps(1.f) : _mm256_loadu_ps(static_cast<const float*>(SC) + nb * BLOCK + 8 * h);
@@ -359,10 +373,14 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc) {
   // float32 and bfloat16 activations are read and written as they are; others go through float32
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor xc = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
-  at::Tensor x8 = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({2, M, G}, x.options().dtype(at::kFloat));  // dx, dx * S
-  at::Tensor sums = at::empty({M, G}, x.options().dtype(at::kInt));
-  const Act act{x8.data_ptr<int8_t>(), scales[0].data_ptr<float>(), sums.data_ptr<int32_t>(), scales[1].data_ptr<float>()};
+  // the activations' 8-bit groups in a per-thread scratch buffer, not tensors: at one row their three
+  // allocations cost more than the quantization itself
+  thread_local std::vector<int32_t> scratch;
+  const int64_t words = (M * K + 3) / 4;
+  scratch.resize(words + 3 * M * G);
+  int32_t* base = scratch.data();
+  const Act act{reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + words), base + words + M * G,
+                reinterpret_cast<float*>(base + words + 2 * M * G)};
   // chosen once per process: the same bits either way (see the AVX2 section)
   static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
   if (bf16) vnni ? quantize(xc.data_ptr<at::BFloat16>(), M, K, act) : quantize2(xc.data_ptr<at::BFloat16>(), M, K, act);
