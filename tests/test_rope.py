@@ -107,3 +107,22 @@ def test_bad_input_is_refused_with_a_message():
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv("VERISPEC_ROPE", "0")
     assert rope.OPERATOR.build() == "VERISPEC_ROPE=0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_passs_rotary_rows_equal_rope_tables_of_its_positions(dtype):
+    """FastDecoder keeps the tables of all positions and picks a pass's rows from them (growing past 1024):
+    the rows equal rope_tables computed for the pass's own positions, bit for bit."""
+    from conftest import tiny_gemma3
+
+    from verispec.backends.fast import FastRunner
+
+    model = tiny_gemma3().to(dtype)  # two rope keys (local and global), with rope scaling
+    net = FastRunner(model, capacity=64, exact=False).net
+    assert len(net.ropes) == 2
+    for pos in (torch.tensor([0]), torch.tensor([5, 6, 7]), torch.tensor([3, 3, 4, 9]), torch.tensor([1500, 2047, 2048])):
+        got = net._tables(pos)
+        for key, (inv, scaling) in net.ropes.items():
+            want = core.rope_tables(pos, inv, scaling, net.dtype)
+            assert torch.equal(got[key][0], want[0]) and torch.equal(got[key][1], want[1])
+    assert net._rope_tables[next(iter(net.ropes))][0].shape[0] == 3072

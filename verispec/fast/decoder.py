@@ -105,6 +105,23 @@ class FastDecoder:
         self._step = functools.partial(layer_step, a=arch, linear=self.linear)
         self._compiled = None
         self._native_args: dict[int, list | None] = {}  # id(layers) -> native.layer_args of each layer, or None
+        self._rope_tables: dict = {}  # rope key -> (cos, sin) [N, 1, head_dim] for positions 0 .. N - 1
+
+    def _tables(self, pos: torch.Tensor) -> dict:
+        """Rotary tables of the positions `pos` per rope key: rows of tables computed once for positions 0 .. N
+        (rope_tables' operations are elementwise, so a position's row has the bits a per-pass computation
+        gives it) and grown in steps of 1024 positions: a pass picks its rows with one index, not the
+        dozen small operations of computing them."""
+        need = int(pos.max()) + 1
+        out = {}
+        for key, (inv, scaling) in self.ropes.items():
+            have = self._rope_tables.get(key)
+            if have is None or have[0].shape[0] < need:
+                n = -(-need // 1024) * 1024
+                have = rope_tables(torch.arange(n, device=pos.device), inv, scaling, self.dtype)
+                self._rope_tables[key] = have
+            out[key] = (have[0][pos], have[1][pos])
+        return out
 
     def _quantize(self, dense: torch.Tensor, names: tuple[str, ...], source: Callable | None):
         """A projection (the concatenation of the weights `names`) in self.weights' format, from the
@@ -259,7 +276,7 @@ class FastDecoder:
         x = F.embedding(ids, self.embed)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale).to(self.dtype)  # float32 scalar cast, as transformers does
-        tables = {key: rope_tables(pos, inv, scaling, self.dtype) for key, (inv, scaling) in self.ropes.items()}
+        tables = self._tables(pos)
         masks = [self._masks(p) for p in parts]
         bounds = [slice(a, a + n) for a, n in zip([0] + list(itertools.accumulate(sizes))[:-1], sizes)]
         captured: list[list] = [[] for _ in parts]
