@@ -300,8 +300,7 @@ TORCH_LIBRARY_IMPL(verispec, CPU, m) {
 """
 
 def _load() -> str | None:
-    level = ops.x86_level()  # the build is named after it, so a build for another CPU is never loaded
-    ops.load(f"verispec_attend_{level.replace('-', '_')}", _SOURCE, ["-O3", f"-march={level}"])
+    ops.load_for_cpu("attend", _SOURCE)
     return None
 
 

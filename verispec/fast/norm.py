@@ -90,8 +90,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _load() -> str | None:
-    level = ops.x86_level()  # the build is named after it, so a build for another CPU is never loaded
-    ops.load(f"verispec_norm_{level.replace('-', '_')}", _SOURCE, ["-O3", f"-march={level}", "-ffp-contract=off"])
+    ops.load_for_cpu("norm", _SOURCE, contract=False)
     return None
 
 

@@ -57,6 +57,14 @@ def load(name: str, source: str, cflags: list[str]) -> None:
     load_inline(name, cpp_sources=source, extra_cflags=cflags, is_python_module=False, verbose=False)
 
 
+def load_for_cpu(stem: str, source: str, contract: bool = True) -> None:
+    """Compile and load an operator for this CPU's x86-64 level (x86_level), named after the level so that a
+    build for another CPU is never loaded; contract=False: no floating-point contraction (a kernel that
+    reproduces separately rounded products and sums)."""
+    level = x86_level()
+    load(f"verispec_{stem}_{level.replace('-', '_')}", source, ["-O3", f"-march={level}"] + ([] if contract else ["-ffp-contract=off"]))
+
+
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -114,8 +114,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _load() -> str | None:
-    level = ops.x86_level()  # the build is named after it, so a build for another CPU is never loaded
-    ops.load(f"verispec_rope_{level.replace('-', '_')}", _SOURCE, ["-O3", f"-march={level}", "-ffp-contract=off"])
+    ops.load_for_cpu("rope", _SOURCE, contract=False)
     return None
 
 
