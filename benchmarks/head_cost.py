@@ -12,7 +12,7 @@ and the shipped Medusa heads, after a context of --context tokens:
     (the shipped one when there is one, else random weights: the cost does not depend on them)
 Every figure is the median over --rounds rounds that measure every item once (the machine is shared).
 
-    .venv/bin/python benchmarks/head_cost.py --dtype bfloat16 --json results/cpu/head_cost.json
+    .venv/bin/python benchmarks/head_cost.py --dtype bfloat16 --weights auto --json results/cpu/head_cost.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--weights", default="auto", choices=["auto", "bf16", "q8", "q4"],
+                    help="the target's weights format (auto: the file's q4 where qmm runs); quantized targets' heads run 8-bit")
     ap.add_argument("--dflash-layers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dflash-blocks", type=int, nargs="+", default=[8, 16])
     a = parse(ap)
@@ -51,12 +53,16 @@ def main() -> None:
     from verispec.tree import DynamicTree, StaticTree
     from verispec.types import SamplingParams
 
-    target = load_model(a.model, dtype=a.dtype)
+    from verispec.fast import quant
+
+    target = load_model(a.model, dtype=a.dtype, weights=a.weights)
+    fmt = quant.target_format(target)  # the target's weights format; the heads' linears follow it
+    print(f"target weights: {fmt}")
     ctx = torch.randint(100, 20000, (a.context,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams()
     runners = {}
     for label, exact in (("exact", True), ("not_exact", False)):
-        r = FastRunner(target.model, exact=exact)
+        r = FastRunner(target.model, exact=exact, weights=fmt, weight_source=target.weight_source)
         r.reset(params)
         runners[label] = r
     eagle = EagleDrafter.for_target(target)
@@ -106,7 +112,8 @@ def main() -> None:
         for block in a.dflash_blocks:
             model = BlockDrafterModel(BlockDrafterModel.make_config(target, eagle.d2t.numel(), block, layers, eagle.feature_layers))
             model.attach_embedding(target.model.get_input_embeddings().weight)
-            d = BlockDrafter(model.to(target.device).eval(), target.vocab_size, weights_dtype=target.dtype)
+            d = BlockDrafter(model.to(target.device).eval(), target.vocab_size, weights_dtype=target.dtype,
+                             quantized=fmt != "bf16")
             d.begin(ctx, params, None)
             d.observe_features(feats[:-1, cols["eagle"]])
             d.block_logits(ctx)
@@ -133,7 +140,7 @@ def main() -> None:
     ms = {k: round(statistics.median(v), 3) for k, v in rounds.items()}
     base = ms["target_forward_1pos_exact"]
     ratios = {k: round(v / base, 3) for k, v in ms.items()}
-    out = {"model": a.model, "dtype": a.dtype, "context": a.context, "ms": ms, "ratio_to_target_forward_exact": ratios,
+    out = {"model": a.model, "dtype": a.dtype, "weights": fmt, "context": a.context, "ms": ms, "ratio_to_target_forward_exact": ratios,
            "environment": environment(target)}
     for k in items:
         print(f"{k:32s} {ms[k]:8.2f} ms  {ratios[k]:6.3f}x target forward (exact)")

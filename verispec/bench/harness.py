@@ -111,10 +111,9 @@ def _contenders(target, methods, draft, baselines, draft_length, threads):
 
 def _weights_format(target) -> str:
     """The fast path's weights format the target's engines run (fast/quant.py), "auto" resolved."""
-    from verispec.fast.quant import resolve
+    from verispec.fast.quant import target_format
 
-    return resolve(getattr(target, "weights", "auto"), target.dtype, target.device,
-                   getattr(target, "weight_source", None) is not None)
+    return target_format(target)
 
 
 def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None = None, *, draft=None,

@@ -208,6 +208,13 @@ def resolve(weights: str | None, dtype: torch.dtype, device: torch.device, from_
     return fmt
 
 
+def target_format(target) -> str:
+    """The weights format a loaded target's fast path runs (its `weights`, "auto" resolved): what its engines
+    and the drafters on its features follow."""
+    return resolve(getattr(target, "weights", "auto"), target.dtype, target.device,
+                   getattr(target, "weight_source", None) is not None)
+
+
 # Passes of at least this many rows run a dense copy of the quantized weights (their dequantization rounded
 # to bfloat16, packed as the bf16 format packs its weights), where the dense GEMM costs less than the
 # quantized kernel, whose cost grows with the rows while the dense one stays flat to 32 rows. PyTorch's
