@@ -48,7 +48,7 @@ def default_feature_layers(num_hidden_layers: int) -> list[int]:
 class PackedLinears:
     """A module whose linear layers (self.fc among them) can run from packed weight copies."""
 
-    _packed: dict[str, torch.Tensor] | None = None  # inference copies of the weights (pack_for_inference)
+    _packed: dict | None = None  # name -> (inference copy of the weight, the linear that applies it): pack_for_inference
 
     def pack_for_inference(self, dtype: torch.dtype, quantized: bool = False) -> None:
         """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (fast/packed.py).
