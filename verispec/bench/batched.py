@@ -40,10 +40,11 @@ import torch
 
 from verispec.bench.baselines import MethodSpec, VerispecContender, parse_method
 from verispec.bench.environment import environment
-from verispec.bench.harness import Conversation, _resolve_chat, _weights_format, fitting_questions
+from verispec.bench.harness import Conversation, _resolve_chat, fitting_questions
 from verispec.bench.prompts import Question
 from verispec.bench.summary import REFERENCE, _first_diff
 from verispec.errors import InvalidParameter
+from verispec.fast.quant import target_format
 
 SCHEMA = "verispec-bench-batch/1"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -399,7 +400,7 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
         "schema": SCHEMA,
         "config": {
             "model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
-            "weights": _weights_format(target), "draft": getattr(draft, "name", None), "prompt_set": prompt_set,
+            "weights": target_format(target), "draft": getattr(draft, "name", None), "prompt_set": prompt_set,
             "prompt_mode": "chat" if chat else "raw", "max_new_tokens": max_new_tokens, "draft_length": draft_length,
             "warmup": warmup, "greedy": True, "batch_sizes": sizes, "admission": "continuous",
             "positions": [AUTO if s == AUTO else s for s in settings], "positions_resolved": resolved.get(AUTO),

@@ -26,6 +26,7 @@ from verispec.bench.environment import environment
 from verispec.bench.prompts import Question
 from verispec.bench.summary import REFERENCE, find_mismatches, summarize
 from verispec.errors import InvalidParameter
+from verispec.fast.quant import target_format
 from verispec.theory import CostCurve
 
 SCHEMA = "verispec-bench/1"
@@ -107,13 +108,6 @@ def _contenders(target, methods, draft, baselines, draft_length, threads):
     if len(set(labels)) != len(labels):
         raise InvalidParameter(f"two contenders share a label ({', '.join(labels)}); give them label=... options")
     return built, skipped
-
-
-def _weights_format(target) -> str:
-    """The fast path's weights format the target's engines run (fast/quant.py), "auto" resolved."""
-    from verispec.fast.quant import target_format
-
-    return target_format(target)
 
 
 def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None = None, *, draft=None,
@@ -201,7 +195,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
         "schema": SCHEMA,
         "config": {
             "model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
-            "weights": _weights_format(target),
+            "weights": target_format(target),
             "draft": getattr(draft, "name", None), "prompt_set": prompt_set, "prompt_mode": "chat" if chat else "raw",
             "max_new_tokens": max_new_tokens, "draft_length": draft_length, "warmup": warmup,
             "greedy": True, "batch_size": 1,
