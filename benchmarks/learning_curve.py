@@ -6,8 +6,9 @@ same steps, then plots held-out tau (chain and dynamic tree) and step-1 top-1 ag
 positions. Flat curves say the data is not what limits the head (capacity, training compute or a
 mismatch between training and drafting); rising ones say more data pays. Every point resumes.
 
-    .venv/bin/python benchmarks/learning_curve.py --work .verispec-train/v4 --points 20000 40000 80000 160000 \\
-        --steps 400 --json results/cpu/eagle-learning-curve.json
+    gunzip -c train-data/smollm2-135m/answers.jsonl.gz > .verispec-train/lc/answers.jsonl
+    .venv/bin/python benchmarks/learning_curve.py --work .verispec-train/lc --prompts 3199 --layout eagle3 \\
+        --points 30000 60000 120000 240000 --steps 200 --threads 1 --json results/cpu/eagle-learning-curve.json
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-prompts", type=int, default=4)
     ap.add_argument("--eval-bench", type=int, default=1)
+    ap.add_argument("--layout", default="verispec", help="eagle: the head's layer layout (verispec or eagle3)")
+    ap.add_argument("--gen-minutes", type=float, default=0.0,
+                    help="self-distillation budget before the first point (0: the answers already in the work folder)")
     a = ap.parse_args()  # --threads goes to the training run, which sets it
     from verispec.train.pipeline import TrainConfig, run
 
     rows = []
     for p in sorted(a.points):
         cfg = TrainConfig(kind=a.kind, target=a.target, work=a.work, out=str(Path(a.work) / "curve" / f"{a.kind}-{p}"),
-                          prompts=a.prompts, steps=a.steps, batch_size=a.batch_size, max_positions=p,
+                          prompts=a.prompts, gen_minutes=a.gen_minutes, layout=a.layout, steps=a.steps, batch_size=a.batch_size, max_positions=p,
                           eval_prompts=a.eval_prompts, eval_bench=a.eval_bench, threads=a.threads, feature_backend="fast",
                           progress=False)
         config = run(cfg, log=lambda m: print(m, flush=True))

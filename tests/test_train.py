@@ -518,3 +518,14 @@ def test_self_distillation_stops_an_answer_at_its_first_loop(monkeypatch, tmp_pa
     seqs = torch.tensor([[0, 0, 1, 2, 3, 1, 2, 9], [0, 5, 1, 2, 3, 4, 5, 6]])
     got = [stop(seqs[:, :k]).tolist() for k in range(3, 9)]
     assert got == [[False, False]] * 4 + [[True, False]] * 2
+
+
+def test_a_learning_curve_point_takes_whole_shards_within_its_positions():
+    from verispec.train.pipeline import records_within
+
+    records = [{"prompt_ids": [1] * 6, "answer_ids": [2] * 4} for _ in range(10)]  # 10 positions each
+    assert records_within(records, 60, shard_size=3) == 6      # two shards of 30 positions
+    assert records_within(records, 89, shard_size=3) == 6      # a third shard would pass 89
+    assert records_within(records, 90, shard_size=3) == 9
+    assert records_within(records, 10**6, shard_size=3) == 10  # the last, short shard too
+    assert records_within(records, 5, shard_size=3) == 3       # never less than one shard

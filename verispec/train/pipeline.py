@@ -22,6 +22,9 @@ from verispec.errors import InvalidParameter
 KINDS = ("eagle", "medusa", "dflash")
 
 
+SHARD_SIZE = 32  # records per feature shard (extract.py), the unit a learning curve's points are cut in
+
+
 @dataclass
 class TrainConfig:
     kind: str = "eagle"
@@ -154,12 +157,11 @@ def run(cfg: TrainConfig, log=print) -> dict:
     t0 = time.perf_counter()
     L = int(target.model.config.num_hidden_layers)
     layers = sorted(set(default_feature_layers(L)) | {L})
+    if cfg.max_positions:  # a learning curve's point: the first shards only, and only they are extracted
+        records = records[: records_within(records, cfg.max_positions, SHARD_SIZE)]
     paths = extract_features(target, records, work / "features", layers, progress=cfg.progress and rank == 0,
-                             backend=cfg.feature_backend, part=(rank, world))
+                             backend=cfg.feature_backend, part=(rank, world), shard_size=SHARD_SIZE)
     distributed.barrier()  # every rank's shards are written
-    if cfg.max_positions:
-        paths = paths[: max(1, shards_within(paths, cfg.max_positions))]
-        records = records[: sum(len(torch.load(p)["ids"]) for p in paths)]  # shards hold records in order
     data = FeatureSet(paths, loop_ngram=cfg.loop_ngram)
     timings["features_s"] = round(time.perf_counter() - t0, 1)
     log(f"features: {data.num_tokens} positions, layers {layers}; "
@@ -257,14 +259,16 @@ def return_freed_memory() -> bool:
         return False
 
 
-def shards_within(paths: list[Path], positions: int) -> int:
-    """How many of the first feature shards together hold at most `positions` positions."""
-    total = 0
-    for n, p in enumerate(paths):
-        total += int(torch.load(p)["lengths"].sum())
+def records_within(records: list[dict], positions: int, shard_size: int) -> int:
+    """How many of the first records fill the first feature shards (of shard_size records) that together hold
+    at most `positions` positions (prompt and answer tokens); at least one shard."""
+    total, n = 0, min(shard_size, len(records))
+    for i in range(0, len(records), shard_size):
+        total += sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records[i:i + shard_size])
         if total > positions:
-            return n
-    return len(paths)
+            break
+        n = min(i + shard_size, len(records))
+    return n
 
 
 def final_norm_scale(model) -> torch.Tensor:
