@@ -72,10 +72,11 @@ inline void store(float* x, const vf& v) {
   for (int k = 0; k < P; ++k) std::memcpy(x + NL * k, &v.p[k], sizeof(vn));
 }
 inline float lane(const vf& v, int l) { return v.p[l / NL][l % NL]; }
-// chunk c of a head_dim vector (C chunks, the last one `last` floats long, zeros after)
-template <int C>
+// chunk c of a head_dim vector (C chunks, the last one `last` floats long, zeros after; FULL: head_dim is C * 16,
+// known at compile time, so the loads are plain vector loads with no branch between them)
+template <int C, bool FULL>
 inline vf chunk(const float* x, int c, int last) {
-  if (c < C - 1 || last == W) return load(x + W * c);
+  if (FULL || c < C - 1 || last == W) return load(x + W * c);
   vf v = {};
   for (int l = 0; l < last; ++l) v.p[l / NL][l % NL] = x[W * c + l];
   return v;
@@ -152,7 +153,7 @@ inline vn vexp(vn x) {
 
 // one kv head's g query heads for query row t (head dim D: C chunks of 16, the last `last` long): out[j]
 // from q[j] over the visible columns. s: scratch of g * (L + 16) floats, slot: of L + 16
-template <int C>
+template <int C, bool FULL>
 void row(const float* const* q, float* const* out, int64_t g, const float* K, const float* V, int64_t ks, int64_t vs,
          const float* bias, const int64_t* order, int64_t L, int last, float scale, float* s, int64_t* slot) {
   int64_t n = 0;  // the visible columns, in position order, and their slots
@@ -164,7 +165,7 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
     float* sj = s + j * nb * W;
     vf qv[C];
     for (int c = 0; c < C; ++c) {
-      qv[c] = chunk<C>(q[j], c, last);
+      qv[c] = chunk<C, FULL>(q[j], c, last);
       for (int k = 0; k < P; ++k) qv[c].p[k] *= scale;
     }
     vf mx;
@@ -177,7 +178,7 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
           const float* kr = K + slot[b * W + i] * ks;
 #pragma GCC unroll 16
           for (int c = 0; c < C; ++c) {
-            const vf kc = chunk<C>(kr, c, last);
+            const vf kc = chunk<C, FULL>(kr, c, last);
             for (int k = 0; k < P; ++k) a.p[k] += qv[c].p[k] * kc.p[k];
           }
         }
@@ -208,7 +209,7 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
       const float* v1 = V + slot[i + 1] * vs;
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) {
-        const vf a0 = chunk<C>(v0, c, last), a1 = chunk<C>(v1, c, last);
+        const vf a0 = chunk<C, FULL>(v0, c, last), a1 = chunk<C, FULL>(v1, c, last);
         for (int k = 0; k < P; ++k) {
           o0[c].p[k] += sj[i] * a0.p[k];
           o1[c].p[k] += sj[i + 1] * a1.p[k];
@@ -218,7 +219,7 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
     if (i < n) {
       const float* v0 = V + slot[i] * vs;
       for (int c = 0; c < C; ++c) {
-        const vf a0 = chunk<C>(v0, c, last);
+        const vf a0 = chunk<C, FULL>(v0, c, last);
         for (int k = 0; k < P; ++k) o0[c].p[k] += sj[i] * a0.p[k];
       }
     }
@@ -234,13 +235,13 @@ using RowFn = void (*)(const float* const*, float* const*, int64_t, const float*
                        const float*, const int64_t*, int64_t, int, float, float*, int64_t*);
 
 template <int... C>
-RowFn pick(int64_t chunks, std::integer_sequence<int, C...>) {
+RowFn pick(int64_t chunks, bool full, std::integer_sequence<int, C...>) {
   RowFn fn = nullptr;
-  ((chunks == C + 1 ? (fn = &row<C + 1>, 0) : 0), ...);
+  ((chunks == C + 1 ? (fn = full ? &row<C + 1, true> : &row<C + 1, false>, 0) : 0), ...);
   return fn;
 }
 
-RowFn row_for(int64_t D) { return pick((D + W - 1) / W, std::make_integer_sequence<int, 16>{}); }
+RowFn row_for(int64_t D) { return pick((D + W - 1) / W, D % W == 0, std::make_integer_sequence<int, 16>{}); }
 
 // q [H, T, D], k/v [KVH, S, D] (rows contiguous), bias [>= T, L] (0 visible, -inf not; rows t < T read),
 // order [T, L] long or empty (columns are slots) -> [H, T, D]
