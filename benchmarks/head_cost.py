@@ -56,7 +56,7 @@ def main() -> None:
     from verispec.fast import quant
 
     target = load_model(a.model, dtype=a.dtype, weights=a.weights)
-    fmt = quant.target_format(target)  # the weights format the target's fast path runs
+    fmt = quant.target_format(target)  # the target's weights format; the heads' linears follow it
     print(f"target weights: {fmt}")
     ctx = torch.randint(100, 20000, (a.context,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams()

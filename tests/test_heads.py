@@ -214,3 +214,43 @@ def test_sampling_path_is_lossless():
         p_joint = chi_square_pvalue(samples, exact)
         p_marg = [chi_square_pvalue(*marginals(samples, exact, i)) for i in range(3)]
         assert p_joint > 1e-3 and min(p_marg) > 1e-3, (kind, p_joint, p_marg)
+
+
+def test_a_quantized_targets_head_drafts_with_8_bit_weights(tiny, plain_outputs):
+    """For a target on quantized weights the head's linears run 8-bit (pack_for_inference(quantized=True)):
+    its logits stay within the 8-bit rounding of its parameters' ones, its state dict gains nothing, and
+    the output stays exact; the drafter built for such a target asks for it."""
+    from verispec.fast import quant
+
+    if quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
+        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    head = random_eagle(tiny, vocab=24)
+    x = torch.randn(5, head.fc.in_features)
+    ids = torch.tensor([1, 4, 9, 2, 7])
+
+    def run():
+        with torch.no_grad():
+            h = head.inputs(ids, head.project(x))
+            return head.logits(h)
+
+    keys = set(head.state_dict())
+    want = run()
+    drafter = EagleDrafter(head, tiny.vocab_size, weights_dtype=torch.bfloat16, quantized=True)
+    kinds = {type(w).__name__ for w, _ in head._packed.values()}
+    assert kinds <= {"QWeight", "Int8"} and kinds, kinds
+    got = run()
+    assert not torch.equal(got, want)  # other weights than the parameters ...
+    assert torch.allclose(got, want, atol=0.05 * float(want.abs().max()), rtol=0)  # ... within 8 bits' error
+    assert set(head.state_dict()) == keys
+    engine = Engine.for_model(tiny, drafter, draft_length=4, tree="dynamic", backend="fast")
+    for prompt, expect in zip(PROMPTS, plain_outputs["fast"]):
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW)).token_ids == expect
+
+    class Target:  # what for_target reads: a bf16 model from a quantized file, weights auto
+        dtype, device, weights, weight_source = torch.bfloat16, torch.device("cpu"), "auto", object()
+
+    assert (quant.target_format(Target()) != "bf16") == (quant.default_format() != "bf16")
+    Target.weights = "q8"
+    assert quant.target_format(Target()) == "q8"
+    Target.weights, Target.weight_source = "auto", None
+    assert quant.target_format(Target()) == "bf16"  # a dense model runs its dense weights

