@@ -65,11 +65,28 @@ def spec_bench_prompts(per_task: int) -> list[tuple[str, str]]:
     return out
 
 
+def launch(tree: str, code: str, args: list[str], threads: int, **kw) -> subprocess.Popen:
+    """`python -c code args` importing verispec from `tree`. It runs in the tree: a `-c` script puts its
+    working directory first on sys.path, ahead of PYTHONPATH, so started elsewhere (the repository root
+    of an editable install) it would import that checkout's verispec, whatever PYTHONPATH says."""
+    root = Path(tree).resolve()
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS=str(threads))
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=root, text=True, **kw)
+
+
+def imported_from(tree: str) -> Path:
+    """The verispec package a worker for `tree` imports (checked before comparing)."""
+    proc = launch(tree, "import verispec, sys; print(verispec.__file__)", [], 1, stdout=subprocess.PIPE)
+    out, _ = proc.communicate()
+    return Path(out.strip()).resolve().parent
+
+
 class Worker:
     def __init__(self, tree: str, model: str, dtype: str, threads: int):
-        env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, model, dtype, str(threads)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        want = Path(tree).resolve() / "verispec"
+        if imported_from(tree) != want:
+            raise SystemExit(f"a worker for {tree} imports verispec from {imported_from(tree)}, not {want}")
+        self.proc = launch(tree, WORKER, [model, dtype, str(threads)], threads, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._read()
 
     def _read(self) -> dict:
