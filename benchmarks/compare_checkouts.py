@@ -76,7 +76,7 @@ def launch(tree: str, code: str, args: list[str], threads: int, **kw) -> subproc
 
 def imported_from(tree: str) -> Path:
     """The verispec package a worker for `tree` imports (checked before comparing)."""
-    proc = launch(tree, "import verispec, sys; print(verispec.__file__)", [], 1, stdout=subprocess.PIPE)
+    proc = launch(tree, "import verispec; print(verispec.__file__)", [], 1, stdout=subprocess.PIPE)
     out, _ = proc.communicate()
     return Path(out.strip()).resolve().parent
 
