@@ -9,7 +9,7 @@ ones say more data pays. Every point resumes; points already in --json with the 
 
     gunzip -c train-data/smollm2-135m/answers.jsonl.gz > .verispec-train/lc/answers.jsonl
     .venv/bin/python benchmarks/learning_curve.py --work .verispec-train/lc --prompts 3199 --layout eagle3 \\
-        --points 30000 60000 120000 240000 --steps 200 --threads 1 --json results/cpu/eagle-learning-curve.json
+        --points 30000 60000 120000 240000 --steps 200 --threads 1 --reference --json results/cpu/eagle-learning-curve.json
 """
 
 from __future__ import annotations
@@ -72,15 +72,17 @@ def _reference(a) -> dict:
     from verispec.drafters.eagle import load_eagle_head
     from verispec.heads import resolve_head
     from verispec.models import load_model
-    from verispec.train.data import default_data_dir, read_jsonl, split_heldout, training_prompts
+    from verispec.train.data import default_data_dir, read_jsonl, training_prompts
     from verispec.train.evaluate import eval_sets, evaluate_head
+    from verispec.train.pipeline import TrainConfig, split_for
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    keep = {p["id"] for p in training_prompts(default_data_dir(), a.prompts, seed=0)}
-    _, heldout = split_heldout([r for r in read_jsonl(Path(a.work) / "answers.jsonl") if r["id"] in keep], 0.05)
+    cfg = TrainConfig()
+    prompts = training_prompts(default_data_dir(), a.prompts, seed=cfg.seed)
+    _, heldout = split_for(prompts, read_jsonl(Path(a.work) / "answers.jsonl"), cfg.heldout_share)
     target = load_model(a.target, dtype="bfloat16")
-    sets = eval_sets(target, heldout, a.eval_prompts, a.eval_bench, seed=0)
+    sets = eval_sets(target, heldout, a.eval_prompts, a.eval_bench, seed=cfg.seed)
     figures = evaluate_head(target, "eagle", load_eagle_head(target), sets, max_new_tokens=64, steps=6,
                             log=lambda m: print(m, flush=True))
     training = json.loads((resolve_head(target, "eagle", None) / "config.json").read_text())["training"]

@@ -104,7 +104,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
     from verispec.heads import save_head
     from verispec.models import load_model
-    from verispec.train.data import default_data_dir, generate_answers, split_heldout, training_prompts
+    from verispec.train.data import default_data_dir, generate_answers, training_prompts
     from verispec.train.evaluate import eval_sets, evaluate_head
     from verispec.train.extract import FeatureSet, extract_features
     from verispec.train.loops import train_dflash, train_eagle, train_medusa
@@ -147,9 +147,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
                     part.unlink()
         distributed.barrier()
         gen["max_seconds"] = 0  # what is left was left by the ranks' time budgets
-    records = generate_answers(target, prompts, answers, **gen)
-    keep = {p["id"] for p in prompts}
-    records, heldout = split_heldout([r for r in records if r["id"] in keep], cfg.heldout_share)
+    records, heldout = split_for(prompts, generate_answers(target, prompts, answers, **gen), cfg.heldout_share)
     timings["generate_s"] = round(time.perf_counter() - t0, 1)
     log(f"answers: {len(records)} sequences for training, {len(heldout)} held out, "
         f"{sum(len(r['answer_ids']) for r in records)} training answer tokens")
@@ -257,6 +255,15 @@ def return_freed_memory() -> bool:
         return bool(libc.mallopt(m_mmap_threshold, 128 * 1024)) and bool(libc.mallopt(m_trim_threshold, 128 * 1024))
     except (OSError, AttributeError):
         return False
+
+
+def split_for(prompts: list[dict], records: list[dict], share: float) -> tuple[list[dict], list[dict]]:
+    """(training records, held-out records) among the answers to `prompts` (data.split_heldout: by record id,
+    so every run over the same prompts holds out the same records)."""
+    from verispec.train.data import split_heldout
+
+    keep = {p["id"] for p in prompts}
+    return split_heldout([r for r in records if r["id"] in keep], share)
 
 
 def records_within(records: list[dict], positions: int, shard_size: int) -> int:
