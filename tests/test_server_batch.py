@@ -191,9 +191,12 @@ def test_disconnect_and_timeout_of_one_request_leave_the_others_intact(server, t
     late0 = metric(server, "verispec_generations_cancelled_total", '{reason="timeout"}')
     keep = [("the cat sat on the mat and the cat", 30, {"method": "ngram", "draft_length": 3}),
             ("one two three four five one two three", 30, {"method": "ar"})]
-    GATE.clear()
+    GATE.clear()  # the first request holds the engine thread inside its first step; the other two queue
+    first, first_out = _in_parallel([lambda p=keep[0]: _post(server, {"messages": _chat(p[0]), "max_tokens": p[1],
+                                                                       "verispec": p[2]})])
+    _held_until_queued(server, 0)
     threads, out = _in_parallel(
-        [lambda p=p: _post(server, {"messages": _chat(p[0]), "max_tokens": p[1], "verispec": p[2]}) for p in keep]
+        [lambda p=keep[1]: _post(server, {"messages": _chat(p[0]), "max_tokens": p[1], "verispec": p[2]})]
         + [lambda: _post(server, {"messages": _chat("big red box"), "max_tokens": 60,  # gives up after 1 s
                                   "verispec": {"method": "ar", "timeout": 1.0}})])
     # on a slow machine the 1-s request can pass its deadline before this sees it queued: withdrawn from the
@@ -210,8 +213,9 @@ def test_disconnect_and_timeout_of_one_request_leave_the_others_intact(server, t
             seen += line.startswith("data: ")
             if seen >= 3:
                 break
-    for t in threads:
+    for t in first + threads:
         t.join()
+    out = first_out + out
     for (prompt, n, settings), r in zip(keep, out[:2]):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == _reference(target, _chat(prompt), n, **settings)
