@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import FeatureQueue, PackedLinears, RMSNorm, default_feature_layers, load_module, rotate
+from verispec.drafters.head_parts import FeatureQueue, PackedLinears, RMSNorm, default_feature_layers, load_module, rotary, rotate
 from verispec.drafters.medusa import PositionDrafting
 from verispec.fast import quant
 from verispec.types import SamplingParams, StepResult
@@ -116,7 +116,7 @@ class BlockDrafterModel(PackedLinears, nn.Module):
         for i, layer in enumerate(self.layers):
             k = self.lin(f"layers.{i}.k", c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
             v = self.lin(f"layers.{i}.v", c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            out.append((rotate(k, pos, self.inv_freq), v))
+            out.append((rotate(k, rotary(pos, self.inv_freq, k.dtype)), v))
         return out
 
     def block_inputs(self, pending: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -137,18 +137,21 @@ class BlockDrafterModel(PackedLinears, nn.Module):
         [b, 1, R, S + R] (True = visible) or None (all visible) -> logits [b, R, Vd] over the draft vocabulary."""
         for i, layer in enumerate(self.layers):
             h = layer.ln1(x)
-            q = self.lin(f"layers.{i}.q", h).unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
-            k = self.lin(f"layers.{i}.k", h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            v = self.lin(f"layers.{i}.v", h).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            q, k = rotate(q, pos, self.inv_freq), rotate(k, pos, self.inv_freq)
+            q, k, v = self.lins((f"layers.{i}.q", f"layers.{i}.k", f"layers.{i}.v"), h)
+            q = q.unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
+            k = k.unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            v = v.unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+            if i == 0:
+                tables = rotary(pos, self.inv_freq, q.dtype)
+            q, k = rotate(q, tables), rotate(k, tables)
             K = torch.cat([ctx[i][0].to(k.dtype), k], dim=-2)
             V = torch.cat([ctx[i][1].to(v.dtype), v], dim=-2)
             rep = self.n_heads // self.n_kv
             attn = F.scaled_dot_product_attention(q, K.repeat_interleave(rep, -3), V.repeat_interleave(rep, -3),
                                                   attn_mask=mask)
             x = x + self.lin(f"layers.{i}.o", attn.transpose(-3, -2).flatten(-2))
-            h = layer.ln2(x)
-            x = x + self.lin(f"layers.{i}.down", F.silu(self.lin(f"layers.{i}.gate", h)) * self.lin(f"layers.{i}.up", h))
+            gate, up = self.lins((f"layers.{i}.gate", f"layers.{i}.up"), layer.ln2(x))
+            x = x + self.lin(f"layers.{i}.down", F.silu(gate) * up)
         return self.lin("lm_head", self.norm(x)).float()
 
 

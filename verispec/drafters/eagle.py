@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.drafters.head_parts import (FeatureQueue, HeadDrafting, PackedLinears, RMSNorm, default_feature_layers,
-                                          load_module, rotate)
+                                          load_module, rotary, rotate)
 from verispec.errors import HeadMismatch
 from verispec.fast import quant
 from verispec.tree import Candidate, ancestors, build_tree, to_proposal
@@ -122,17 +122,19 @@ class EagleHead(PackedLinears, nn.Module):
         """x [..., T, W] (from inputs), pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd] (rotated)."""
         h = x[..., : -self.hidden] if self.layout == "eagle3" else self.ln1(x)
         shape = x.shape[:-1]
-        q = self.lin("q", h).view(*shape, self.n_heads, self.head_dim).transpose(-3, -2)
-        k = self.lin("k", h).view(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
-        v = self.lin("v", h).view(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
-        return rotate(q, pos, self.inv_freq), rotate(k, pos, self.inv_freq), v
+        q, k, v = self.lins(("q", "k", "v"), h)
+        q = q.reshape(*shape, self.n_heads, self.head_dim).transpose(-3, -2)
+        k = k.reshape(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
+        v = v.reshape(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
+        tables = rotary(pos, self.inv_freq, q.dtype)
+        return rotate(q, tables), rotate(k, tables), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [..., T, W] (the layer input), attn [..., nh, T, hd] -> the layer output h [..., T, H]."""
         r = x[..., -self.hidden:] if self.layout == "eagle3" else x
         x = r + self.lin("o", attn.transpose(-3, -2).reshape(*x.shape[:-1], -1))
-        h = self.ln2(x)
-        return x + self.lin("down", F.silu(self.lin("gate", h)) * self.lin("up", h))
+        gate, up = self.lins(("gate", "up"), self.ln2(x))
+        return x + self.lin("down", F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """-> logits over the draft vocabulary (index i is target token d2t[i])."""

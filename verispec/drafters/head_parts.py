@@ -14,6 +14,7 @@ from torch import nn
 
 from verispec.drafters.base import Drafter
 from verispec.errors import HeadMismatch
+from verispec.fast import norm, rope
 from verispec.sampling import logits_to_probs, sample
 from verispec.types import SamplingParams
 
@@ -25,17 +26,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm.runs_on(x) and x.dtype == self.weight.dtype and not (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            # drafting: one kernel call for the half-dozen operations below (the same arithmetic, the sum of
+            # squares in its own order); training keeps the operations, which autograd differentiates
+            return norm.rms_norm(x, self.weight, self.eps)
         h = x.float()
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding: x [..., heads, T, hd], pos [..., T] -> same shape."""
+def rotary(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of positions pos [..., T] -> cos, sin [..., 1, T, hd] in dtype (sin's first half
+    negated, so that rotation is x * cos + roll(x, hd / 2) * sin: fast/rope.py's form), for rotate."""
     freqs = pos.float()[..., None] * inv_freq  # [..., T, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-3)  # [..., 1, T, hd]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat([cos, cos], dim=-1).unsqueeze(-3).to(dtype),
+            torch.cat([-sin, sin], dim=-1).unsqueeze(-3).to(dtype))
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding of x [..., heads, T, hd] with the tables of its positions (rotary) -> same shape."""
+    return rope.rotate(x, *tables)
 
 
 def default_feature_layers(num_hidden_layers: int) -> list[int]:
@@ -58,8 +69,11 @@ class PackedLinears:
         (fast/quant.py; half the bytes of bf16, and on CPUs without bf16 instructions ~5x faster than the
         bf16 copy); the verification keeps the output lossless whatever the head computes. The trained
         parameters are untouched (training and saving never see the copies); activations stay float32
-        between the linears."""
-        from verispec.fast import quant
+        between the linears (qmm.py's 8-bit kernel reads them as they are; the other copies take them in
+        `dtype`). Linears that read the same input (a layer's q, k and v; gate and up) also get one copy
+        of their weights stacked, so that `lins` applies them in one call (one pass over the input, one
+        kernel call instead of three; per output channel the same arithmetic)."""
+        from verispec.fast import quant, qmm
         from verispec.fast.packed import linear_for
 
         device = self.fc.weight.device
@@ -68,21 +82,39 @@ class PackedLinears:
         if not eight and lin is F.linear and dtype == self.fc.weight.dtype:
             self._packed = None
             return
+        linears = {name: m.weight.detach() for name, m in self.named_modules() if isinstance(m, nn.Linear)}
+        groups = {}
+        for name in linears:
+            stem, _, leaf = name.rpartition(".")
+            for group in (("q", "k", "v"), ("gate", "up")):
+                if leaf == group[0] and all(f"{stem}.{g}".lstrip(".") in linears for g in group):
+                    names = tuple(f"{stem}.{g}".lstrip(".") for g in group)
+                    groups[names] = torch.cat([linears[n] for n in names], dim=0)
         self._packed = {}
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                w = m.weight.detach()
-                self._packed[name] = (quant.prepare(w.float(), "q8", dtype), quant.linear) if eight else (pack(w.to(dtype)), lin)
-        self._packed_dtype = dtype
+        for name, w in [*linears.items(), *groups.items()]:
+            if eight:
+                qw = quant.prepare(w.float(), "q8", dtype)
+                # qmm takes float32 activations itself (its 8-bit groups round them): no copy in dtype first
+                self._packed[name] = (qw, quant.linear, None if isinstance(qw, qmm.QWeight) else dtype)
+            else:
+                self._packed[name] = (pack(w.to(dtype)), lin, dtype)
 
     def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The linear layer `name` (a submodule path) applied to x (the packed copy when there is one)."""
         if self._packed is None:
             return self.get_submodule(name)(x)
-        w, linear = self._packed[name]
-        flat = x.reshape(-1, x.shape[-1]).to(self._packed_dtype)
-        out = linear(flat, w)
+        w, linear, dtype = self._packed[name]
+        flat = x.reshape(-1, x.shape[-1])
+        out = linear(flat if dtype is None else flat.to(dtype), w)
         return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+    def lins(self, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The linear layers `names` applied to the same x: one call on their stacked copy where
+        pack_for_inference made one, else each layer."""
+        if self._packed is None or names not in self._packed:
+            return tuple(self.lin(n, x) for n in names)
+        sizes = [self.get_submodule(n).out_features for n in names]
+        return self.lin(names, x).split(sizes, dim=-1)
 
 
 def load_module(target, kind: str, cls, head: str | Path | None = None, device=None, embed: bool = True):
