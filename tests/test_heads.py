@@ -109,6 +109,50 @@ def test_packed_eagle_head_drafts_like_its_parameters(tiny, plain_outputs, dtype
         assert engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW)).token_ids == expect
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_stacked_copies_compute_what_each_linear_does(tiny, quantized):
+    """q/k/v and gate/up run through one stacked packed copy each (PackedLinears.lins): the same outputs as
+    the separate copies (8-bit: the same bits, a scale per output channel and the activations' groups per
+    row; bf16: to the matmul's summation order), split to each layer's width; without copies each layer."""
+    from verispec.fast import quant
+
+    if quantized and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
+        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    head = random_eagle(tiny, vocab=24)
+    x = torch.randn(3, head.hidden)
+    want = [head.get_submodule(n)(x) for n in ("q", "k", "v")]
+    assert all(torch.equal(a, b) for a, b in zip(head.lins(("q", "k", "v"), x), want))  # no copies: the layers
+    head.pack_for_inference(torch.bfloat16, quantized)
+    assert ("q", "k", "v") in head._packed and ("gate", "up") in head._packed
+    for names in (("q", "k", "v"), ("gate", "up")):
+        got, each = head.lins(names, x), [head.lin(n, x) for n in names]
+        assert [t.shape for t in got] == [t.shape for t in each] == [(3, head.get_submodule(n).out_features) for n in names]
+        for a, b in zip(got, each):
+            assert torch.equal(a, b) if quantized else torch.allclose(a, b, atol=1e-2 * float(b.abs().max()), rtol=0)
+
+
+def test_head_norm_runs_the_kernel_when_drafting_and_the_operations_when_training(monkeypatch):
+    """RMSNorm of the heads: under no_grad the norm.py kernel (same arithmetic, the sum in its own order), with
+    gradients the operations autograd differentiates; both agree to float32 rounding."""
+    from verispec.drafters.head_parts import RMSNorm
+    from verispec.fast import norm
+
+    calls = []
+    real = norm.rms_norm
+    monkeypatch.setattr(norm, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    n = RMSNorm(40)
+    with torch.no_grad():
+        n.weight.copy_(torch.rand(40) + 0.5)
+    x = torch.randn(2, 5, 40)
+    with torch.no_grad():
+        fast = n(x)
+    assert len(calls) == (norm.available() is None)
+    slow = n(x.requires_grad_())
+    assert len(calls) == (norm.available() is None) and slow.requires_grad and torch.allclose(fast, slow.detach(), atol=1e-6, rtol=1e-5)
+    slow.sum().backward()
+    assert x.grad is not None and n.weight.grad is not None
+
+
 def test_eagle_dynamic_tree_pruning_keeps_the_same_tree(tiny):
     """Stopping the expansion once no deeper node can enter the budget changes the work, not the tree."""
     from verispec.tree import DynamicTree

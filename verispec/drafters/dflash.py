@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import FeatureQueue, PackedLinears, RMSNorm, default_feature_layers, load_module, rotary, rotate
+from verispec.drafters.head_parts import (FeatureQueue, PackedLinears, RMSNorm, default_feature_layers, load_module,
+                                          rotary, rotate)
 from verispec.drafters.medusa import PositionDrafting
 from verispec.fast import quant
 from verispec.types import SamplingParams, StepResult
