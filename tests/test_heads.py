@@ -158,7 +158,8 @@ def test_eagle_dynamic_tree_pruning_keeps_the_same_tree(tiny):
     from verispec.tree import DynamicTree
 
     torch.manual_seed(0)
-    for seed, budget in ((1, 3), (2, 5), (3, 7), (4, 12)):
+    fed = {}
+    for seed, budget in ((1, 1), (5, 2), (1, 3), (2, 5), (3, 7), (4, 12)):
         head = random_eagle(tiny, seed=seed)
         with torch.no_grad():
             head.lm_head.weight.mul_(0.05)  # flat drafts: weak frontiers, where pruning stops early
@@ -168,17 +169,25 @@ def test_eagle_dynamic_tree_pruning_keeps_the_same_tree(tiny):
             d.prune = prune
             engine = Engine.for_model(tiny, d, backend="fast", tree=DynamicTree(budget=budget, topk=3, depth=5))
             shapes = []
-            real = d.propose_tree
+            real, real_feed = d.propose_tree, d.feed
+            fed[budget, prune] = 0
 
             def spy(context, shape, real=real, shapes=shapes):
                 p = real(context, shape)
                 shapes.append((p.tokens.tolist(), list(p.parents)) if p is not None else None)
                 return p
 
-            d.propose_tree = spy
+            def feed(cands, nodes, real_feed=real_feed, key=(budget, prune)):
+                fed[key] += 1
+                return real_feed(cands, nodes)
+
+            d.propose_tree, d.feed = spy, feed
             engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=12))
             trees.append(shapes)
         assert trees[0] == trees[1] and trees[0], (seed, budget)
+        assert fed[budget, True] <= fed[budget, False], (budget, fed)
+    # budget 1: the best first-level node holds the budget, so no level is drafted past it
+    assert fed[1, True] == 0 < fed[1, False], fed
 
 
 def test_greedy_exact_gemma3_eagle():

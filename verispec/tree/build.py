@@ -136,7 +136,7 @@ def children(scorer: Scorer, cands: Sequence[Candidate], nodes: list[int], m: in
 
 
 def build_tree(scorer: Scorer, shape: StaticTree | DynamicTree, sampled: bool = False,
-               generator: torch.Generator | None = None, prune: bool = False) -> tuple[list[Candidate], list[int]]:
+               generator: torch.Generator | None = None, prune: bool = True) -> tuple[list[Candidate], list[int]]:
     """The candidates of one tree and the indices of those to propose (creation order). sampled: draw a
     static tree's children from q (dynamic trees always rank point masses). prune: stop a dynamic tree
     once no deeper node can enter the `budget` best (a child scores at most its parent: same tree, less
@@ -174,8 +174,12 @@ def build_tree(scorer: Scorer, shape: StaticTree | DynamicTree, sampled: bool = 
         grow = sorted(frontier, key=lambda c: -cands[c].score)[: shape.topk]
         if not grow:
             break
-        if prune and len(cands) >= budget and cands[grow[0]].score < sorted((c.score for c in cands), reverse=True)[budget - 1]:
-            break
+        # a child scores at most its parent and ranks after every node of its score already there (deeper,
+        # created later), so once the best frontier node is no better than the budget-th best candidate no
+        # child can enter the budget (with budget 1 the best root child already holds it: no level follows)
+        if prune and len(cands) >= budget:
+            if cands[grow[0]].score <= sorted((c.score for c in cands), reverse=True)[budget - 1]:
+                break
         scorer.feed(cands, grow)
         frontier = [c for kids in children(scorer, cands, grow, shape.topk, depth) for c in add(kids)]
     return cands, select_best(cands, budget)
