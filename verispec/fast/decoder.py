@@ -191,16 +191,6 @@ class FastDecoder:
         a = self.arch
         return a.n_heads, a.n_kv_heads, a.head_dim, a.eps, a.scale
 
-    def _native_step(self, x, args, kv, slots, cos, sin, mask, canon) -> torch.Tensor:
-        """One layer natively: layer_step's operations; with a canonical plan, attention between the halves."""
-        a, mod = self.arch, native_ext.module()
-        w, kinds, bqkv, bo = args
-        if canon is None:
-            return mod.step(x, w, kinds, bqkv, bo, kv, slots, cos, sin, mask, *self._native_shape())
-        qh = mod.attn_in(x, w, kinds, bqkv, kv, slots, cos, sin, a.n_heads, a.n_kv_heads, a.head_dim, a.eps)
-        o = canonical.attention(qh, kv[:a.n_kv_heads], kv[a.n_kv_heads:], mask, a.scale, canon)
-        return mod.attn_out(x, o, w, kinds, bo, a.eps)
-
     def compiled_step(self):
         """The layer step under torch.compile (one graph per token bucket, shared by all layers)."""
         if self._compiled is None:
@@ -282,24 +272,31 @@ class FastDecoder:
         captured: list[list] = [[] for _ in parts]
         p0 = parts[0]
         args = self._native_layers(layers, linear) if native and not compiled and one else None
-        if args is not None and not capture:  # the whole stack in one native call
+        if args is not None:  # the whole stack in one native call, or one per stretch between captured layers
             kv, slots, canon, m0 = p0.kv, p0.slots, p0.canon, masks[0]
             keys, wins = sorted(tables), sorted(m0, key=str)
-            common = (x, *zip(*args), kv, slots, [tables[k][0] for k in keys], [tables[k][1] for k in keys],
-                      [m0[w] for w in wins], [keys.index(k) for k in self.rope_keys],
-                      [wins.index(w) for w in self.windows])
-            if canon is None:
-                x = native_ext.module().layers(*common, *self._native_shape())
-            elif attend.runs_on(kv[0]):  # attend.py's kernel: the plan's order is all it needs
-                none = attend.NO_ORDER
-                x = native_ext.module().layers_canonical(*common, canon.order, none, [], [], None, none, True,
-                                                         *self._native_shape())
-            else:
+            per_layer = [*zip(*args), kv, [keys.index(k) for k in self.rope_keys], [wins.index(w) for w in self.windows]]
+            shared = ([tables[k][0] for k in keys], [tables[k][1] for k in keys], [m0[w] for w in wins])
+            if canon is not None and not attend.runs_on(kv[0]):
                 a = self.arch
                 order, tail_cols, groups, tail_past = canon.expanded(a.n_heads // a.n_kv_heads)
-                x = native_ext.module().layers_canonical(
-                    *common, order, tail_cols, [b for b, _ in groups], [r for _, r in groups], tail_past,
-                    canon.flat_slots(a.n_kv_heads, kv[0].shape[1]), False, *self._native_shape())
+                flat = canon.flat_slots(a.n_kv_heads, kv[0].shape[1])
+            cuts = sorted({0, len(layers), *(i for i in capture or () if 0 < i < len(layers))})
+            for lo, hi in zip(cuts, cuts[1:]):
+                ws, kinds, bqkv, bo, kv_, table_of, mask_of = (v[lo:hi] for v in per_layer)
+                common = (x, ws, kinds, bqkv, bo, kv_, slots, *shared, table_of, mask_of)
+                if canon is None:
+                    x = native_ext.module().layers(*common, *self._native_shape())
+                elif attend.runs_on(kv[0]):  # attend.py's kernel: the plan's order is all it needs
+                    none = attend.NO_ORDER
+                    x = native_ext.module().layers_canonical(*common, canon.order, none, [], [], None, none, True,
+                                                             *self._native_shape())
+                else:
+                    x = native_ext.module().layers_canonical(
+                        *common, order, tail_cols, [b for b, _ in groups], [r for _, r in groups], tail_past, flat,
+                        False, *self._native_shape())
+                if capture and hi in capture and hi < len(layers):
+                    captured[0].append((hi, x))
             layers = []
         for i, lw in enumerate(layers):
             cos, sin = tables[self.rope_keys[i]]
@@ -307,10 +304,8 @@ class FastDecoder:
             if not one:
                 x = layer_step_parts(x, lw, [(b, p.kv[i], p.slots, m[win], p.canon) for b, p, m in zip(bounds, parts, masks)],
                                      cos, sin, self.arch, linear)
-            elif args is None:
-                x = step(x, lw, p0.kv[i], p0.slots, cos, sin, masks[0][win], canon=p0.canon)
             else:
-                x = self._native_step(x, args[i], p0.kv[i], p0.slots, cos, sin, masks[0][win], p0.canon)
+                x = step(x, lw, p0.kv[i], p0.slots, cos, sin, masks[0][win], canon=p0.canon)
             if capture and i + 1 in capture and i + 1 < len(self.layers):
                 for got, b in zip(captured, bounds):
                     got.append((i + 1, x[b]))

@@ -8,8 +8,8 @@ packed.py / quant.py, rope.py's rotation and cache write -- its kernel or the ro
 scaled_dot_product_attention, silu), so it computes the same bits: core.layer_step stays the reference
 and tests/test_native.py checks bit equality against it, in exact mode too (canonical.py's attention,
 its operations likewise issued from C++). A pass is one native call for all layers (`layers`, or
-`layers_canonical` in exact mode); a pass that captures hidden states calls `step` (or the halves
-`attn_in` / `attn_out` around canonical.attention) per layer.
+`layers_canonical` in exact mode); a pass that captures hidden states (the drafters reading the target's
+features) makes one such call per stretch of layers up to a captured one.
 
 What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
 are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones
@@ -236,9 +236,6 @@ at::Tensor layers_canonical(at::Tensor x, const std::vector<std::vector<at::Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attn_in", &attn_in);
-  m.def("attn_out", &attn_out);
-  m.def("step", &step);
   m.def("layers", &layers);
   m.def("layers_canonical", &layers_canonical);
   m.def("use_norm_kernel", &use_norm_kernel);
