@@ -105,6 +105,16 @@ class Worker:
         self.proc.wait()
 
 
+def tree_commit(tree: str) -> str | None:
+    """The commit a source tree is checked out at ("+dirty" with uncommitted changes), None outside git."""
+    def git(*a):
+        return subprocess.run(["git", "-C", tree, *a], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="source tree of the reference checkout")
@@ -147,6 +157,8 @@ def main() -> None:
         from verispec.bench.environment import environment
 
         out = {"command": " ".join(["python", "benchmarks/" + Path(sys.argv[0]).name] + sys.argv[1:]), "environment": environment(),
+               "trees": {name: {"path": path, "commit": tree_commit(path)} for name, path in (("before", args.before),
+                                                                                             ("after", args.after))},
                "model": args.model, "dtype": args.dtype, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
                "prompts": [t for t, _ in prompts], "wall_seconds": round(time.time() - t_start, 1), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
