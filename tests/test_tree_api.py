@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from conftest import loaded, tiny_llama
 from verispec.api import build_engine, generate
+from verispec.engine import EXPLORE, EXPLORE_MAX
 from verispec.cli import app
 from verispec.errors import InvalidParameter
 from verispec.tree import DynamicTree, StaticTree, measure_verify_cost
@@ -33,9 +34,44 @@ def test_auto_budget_follows_the_cost_curve():
     target = loaded(tiny_llama())
     flat = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 256: 1.0}, backend="hf")
     steep = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 256: 256.0}, backend="hf")
-    assert flat.tree_shape(6).budget == 63 and steep.tree_shape(6).budget == 1
-    g = flat.generate([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12))
-    assert g.token_ids == build_engine(target, backend="hf").generate([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12)).token_ids
+    assert flat.tree_shape(6).budget == 63
+    # a cost proportional to the positions: no tree pays, so a plain step (None), but every EXPLORE-th step
+    # in a row drafts one node to keep measuring the acceptance, then every 2x, 4x, ... up to EXPLORE_MAX
+    shapes = [steep.tree_shape(6) for _ in range(7 * EXPLORE + 4 * EXPLORE_MAX)]
+    drafted = [i for i, s in enumerate(shapes) if s is not None]
+    assert all(shapes[i].budget == 1 for i in drafted)
+    gaps = [b - a for a, b in zip([-1] + drafted, drafted)]
+    assert gaps == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE] + [EXPLORE_MAX] * 4
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    want = build_engine(target, backend="hf").generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
+    g = flat.generate(prompt, SamplingParams(max_new_tokens=12))
+    assert g.token_ids == want[:12]
+    steep = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 256: 256.0}, backend="hf")
+    g = steep.generate(prompt, SamplingParams(max_new_tokens=24))
+    assert g.token_ids == want and 0 < g.stats.tree_steps < g.stats.steps // 2, g.stats
+
+
+def test_auto_budget_counts_what_drafting_costs():
+    """The engine times its dynamic-tree proposals (a running mean) and the auto budget weighs them: a drafter
+    slow enough that one drafted node cannot pay for itself gets plain steps."""
+    import time
+
+    target = loaded(tiny_llama())
+    e = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 2: 1.1, 256: 256.0},
+                     backend="hf")
+    assert e.tree_shape(6).budget >= 1 and e.draft_seconds == 0
+    real = e.drafter.propose_tree
+
+    def slow(context, shape):
+        time.sleep(0.05)
+        return real(context, shape)
+
+    e.drafter.propose_tree = slow
+    e.verify_cost = {1: 0.01, 2: 0.011, 256: 2.56}  # a drafted node costs 0.001 s to verify, 0.05 s to draft
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    g = e.generate(prompt, SamplingParams(max_new_tokens=20))
+    assert e.draft_seconds >= 0.05 and g.stats.tree_steps < g.stats.steps
+    assert e.tree_shape(6) is None
 
 
 def test_measure_verify_cost_leaves_the_runner_clean():

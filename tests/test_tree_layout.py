@@ -130,6 +130,12 @@ def test_choose_budget_follows_the_cost_curve():
     stairs = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 2.0, 32: 4.0, 64: 8.0}
     assert choose_budget(a, stairs).budget == 7  # root + 7 nodes fill one pass exactly
     assert parse_tree("dynamic") == DynamicTree(budget=None)  # auto unless a budget is given
+    # budget 0, a plain step: one token for one position, no drafting
+    gentle = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4}
+    assert choose_budget([0.3], gentle, (0, 1, 3)).budget == 1  # 1.3 tokens in 1.2 beat 1 in 1
+    choice = choose_budget([0.3], gentle, (0, 1, 3), draft_cost=lambda b: 0.2)
+    assert choice.budget == 0 and choice.table[0] == (0, 1.0, 1.0, 1.0)  # 1.3 in 1.4 do not
+    assert choose_budget([0.9], gentle, (0, 1, 3), draft_cost=lambda b: 0.2).budget >= 1
 
 
 def test_rank_acceptance_and_stats_by_rank():

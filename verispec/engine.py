@@ -37,6 +37,11 @@ from verispec.tree import (DynamicTree, RankAcceptance, StaticTree, TreeLayout, 
                            measure_verify_cost, parse_tree)
 from verispec.types import Proposal, SamplingParams
 
+# the auto budget's choices: a plain step (0: not drafting is expected to pay more) or a tree of so many nodes
+AUTO_BUDGETS = (0, 1, 3, 7, 15, 31, 63)
+EXPLORE, EXPLORE_MAX = 8, 64  # plain steps in a row after which the auto budget drafts one node (to keep
+#                               measuring the acceptance), doubling while that does not pay
+
 
 @dataclass
 class Generation:
@@ -113,6 +118,9 @@ class Engine:
         # learned across generations
         self.verify_cost = verify_cost
         self.rank_acceptance = RankAcceptance()
+        self.draft_seconds = 0.0  # a dynamic tree's proposal, measured (auto budget)
+        self._plain_steps = 0     # plain steps in a row that the auto budget chose
+        self._explore = EXPLORE   # ... after which it drafts one node
         self.runner, self.eos_ids, self.decode = runner, set(eos_ids), decode
         self.context_length = context_length
         self.drafter = drafter
@@ -137,9 +145,10 @@ class Engine:
         return cls(runner, target.eos_token_ids, target.decode, target.context_length,
                    drafter=drafter, device=target.device, **kwargs)
 
-    def tree_shape(self, max_depth: int, max_nodes: int | None = None) -> TreeShape:
+    def tree_shape(self, max_depth: int, max_nodes: int | None = None) -> TreeShape | None:
         """The tree to ask the drafter for this step, cut to `max_depth` (the room left); max_nodes caps a
-        dynamic tree's budget and a static tree's depth (a batch's share of the step's positions)."""
+        dynamic tree's budget and a static tree's depth (a batch's share of the step's positions). None: the
+        auto budget chose a plain step."""
         tree = self.tree
         if isinstance(tree, StaticTree):
             if max_nodes is not None:
@@ -147,7 +156,18 @@ class Engine:
             return tree.truncated(max_depth) if tree.depth > max_depth else tree
         budget = tree.budget
         if budget is None:
-            budget = choose_budget(self.rank_acceptance.profile(), self.verify_cost, max_depth=tree.depth).budget
+            budget = choose_budget(self.rank_acceptance.profile(), self.verify_cost, AUTO_BUDGETS,
+                                   draft_cost=self.draft_seconds, max_depth=tree.depth).budget
+            # a plain step teaches the acceptance estimate nothing: after EXPLORE plain steps in a row one node is
+            # drafted anyway, then after twice as many (up to EXPLORE_MAX) while drafting keeps not paying
+            if budget:
+                self._plain_steps, self._explore = 0, EXPLORE
+            else:
+                self._plain_steps += 1
+                if self._plain_steps >= self._explore:
+                    budget, self._plain_steps, self._explore = 1, 0, min(2 * self._explore, EXPLORE_MAX)
+            if budget == 0:
+                return None
         if max_nodes is not None:
             budget = min(budget, max_nodes)
         return DynamicTree(budget=budget, topk=tree.topk, depth=min(tree.depth, max_depth))
@@ -175,7 +195,14 @@ class Engine:
         if self.drafter is None or k <= 0:
             return None
         if self.tree is not None:
-            proposal = self.drafter.propose_tree(context, self.tree_shape(room - 1, max_nodes))
+            shape = self.tree_shape(room - 1, max_nodes)
+            if shape is None:
+                return None  # the auto budget: drafting is not expected to pay for itself this step
+            t0 = time.perf_counter()
+            proposal = self.drafter.propose_tree(context, shape)
+            if isinstance(self.tree, DynamicTree) and self.tree.budget is None:  # a proposal's cost, a running mean
+                took = time.perf_counter() - t0
+                self.draft_seconds = took if self.draft_seconds == 0 else 0.8 * self.draft_seconds + 0.2 * took
         else:
             proposal = self.drafter.propose(context, k)
         if proposal is not None and len(proposal) == 0 and (proposal.aux_tokens is None or not len(proposal.aux_tokens)):

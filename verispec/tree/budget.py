@@ -33,6 +33,9 @@ def choose_budget(rank_accept: Sequence[float], cost: Mapping[int, float] | Cost
     rank-acceptance model; a step costs one verification forward over N + 1 positions (the cost curve)
     plus the drafting cost (seconds, constant or a function of N).
 
+    Budget 0 (when `budgets` holds it) is a plain step: one token for a one-position forward and no
+    drafting, chosen where the drafting cost and the extra positions outweigh the expected acceptance.
+
     The default budgets are the sizes `measure_verify_cost` measures less the root, so each is priced
     by a measurement, not by interpolation: a runner that pads passes to a fixed bucket (exact mode
     where the kernels are not row-invariant) has a staircase cost curve, and a straight line between 8
@@ -41,6 +44,9 @@ def choose_budget(rank_accept: Sequence[float], cost: Mapping[int, float] | Cost
     curve = cost if isinstance(cost, CostCurve) else CostCurve(list(cost), list(cost.values()))
     rows = []
     for b in budgets:
+        if b == 0:  # no drafting: a plain decoding step
+            rows.append((0, 1.0, curve.seconds(1), 1.0 / curve.seconds(1) if curve.seconds(1) > 0 else float("inf")))
+            continue
         tokens = 1.0 + expected_accepted(rank_accept, optimal_paths(rank_accept, b, max_depth))
         seconds = curve.seconds(b + 1) + (draft_cost(b) if callable(draft_cost) else draft_cost)
         rows.append((b, tokens, seconds, tokens / seconds if seconds > 0 else float("inf")))
