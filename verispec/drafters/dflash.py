@@ -113,11 +113,12 @@ class BlockDrafterModel(PackedLinears, nn.Module):
 
     def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """c [..., T, H] at positions pos [..., T] -> per layer (k, v) [..., nkv, T, hd] (k rotated)."""
-        out = []
+        out, tables = [], None  # the same positions in every layer; in the projections' dtype (autocast)
         for i, layer in enumerate(self.layers):
             k = self.lin(f"layers.{i}.k", c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
             v = self.lin(f"layers.{i}.v", c).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            out.append((rotate(k, rotary(pos, self.inv_freq, k.dtype)), v))
+            tables = tables or rotary(pos, self.inv_freq, k.dtype)
+            out.append((rotate(k, tables), v))
         return out
 
     def block_inputs(self, pending: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -136,14 +137,14 @@ class BlockDrafterModel(PackedLinears, nn.Module):
                mask: torch.Tensor | None) -> torch.Tensor:
         """x [b, R, H] block rows at positions pos [b, R]; ctx per layer (k, v) [b, nkv, S, hd]; mask
         [b, 1, R, S + R] (True = visible) or None (all visible) -> logits [b, R, Vd] over the draft vocabulary."""
+        tables = None  # the same positions in every layer; in the projections' dtype (autocast)
         for i, layer in enumerate(self.layers):
             h = layer.ln1(x)
             q, k, v = self.lins((f"layers.{i}.q", f"layers.{i}.k", f"layers.{i}.v"), h)
             q = q.unflatten(-1, (self.n_heads, self.head_dim)).transpose(-3, -2)
             k = k.unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
             v = v.unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
-            if i == 0:
-                tables = rotary(pos, self.inv_freq, q.dtype)
+            tables = tables or rotary(pos, self.inv_freq, q.dtype)
             q, k = rotate(q, tables), rotate(k, tables)
             K = torch.cat([ctx[i][0].to(k.dtype), k], dim=-2)
             V = torch.cat([ctx[i][1].to(v.dtype), v], dim=-2)
