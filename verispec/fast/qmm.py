@@ -275,87 +275,108 @@ void quantize2(const In* x, int64_t M, int64_t K, const Act& act) {
 // issues all of a group's products first and sums them later, and the live products spill to the stack.
 __attribute__((always_inline)) inline void pin(__m256i& v) { asm("" : "+x"(v)); }
 
-// R rows of the 8 channels nb * 16 + 8 * h .. + 8 (see rows above for the arguments). AVX2 has 16 vector
-// registers: a group's 8 expanded weight lines plus R accumulators and the temporaries do not fit (the
-// accumulators went to the stack, each group's FMA waiting on a store), so the integer sums run over one
-// loaded weight vector at a time (2 lines of 4-bit weights, 1 line of 8-bit ones) for all R rows, and the
-// accumulators stay in registers. Integer sums are exact in any order, so this changes no bit.
+// R rows of one block of 16 output channels, as two halves of 8 (a half: the 32-byte slice h of each 64-byte
+// line; see rows above for the arguments). Both halves run in the same pass over the groups, so each
+// activation broadcast serves two products and a weight line is read once. AVX2 has 16 vector registers: the
+// integer sums run over one loaded line at a time for all R rows (a group's expanded lines held while summing
+// each row spilled the sums and stalled each group on a store), each partial sum pinned in a register; at 4
+// rows the float accumulators go to the stack, read and written once per group on the load/store ports
+// while the vector ports do the products (faster than 2 rows at a time). Integer sums are exact in any
+// order, and the float part is rows' operations in rows' order per output, so this changes no bit.
 template <int R, bool I4, typename Out>
 __attribute__((target("avx2,fma,f16c")))
-void rows2(int64_t nb, int h, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
-           Out* Y) {
+void rows2(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act, Out* Y) {
   const int64_t G = K / GROUP;
   constexpr int64_t LINES = I4 ? 4 : 8;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t at = nb * G + g;
-    const uint8_t* wg = W + at * LINES * 64 + 32 * h;
+    const uint8_t* wg = W + at * LINES * 64;
     const int32_t* xq[R];
     for (int i = 0; i < R; ++i) xq[i] = reinterpret_cast<const int32_t*>(act.x8 + (m0 + i) * K + g * GROUP);
-    __m256i a[R];
-    if (I4) {  // vector j holds lines 2j (low nibbles) and 2j + 1 (high); a row's int16 sums over the group
-      __m256i s[R];
+    __m256i a[R][2];
+    if (I4) {  // 64-byte vector j holds lines 2j (low nibbles) and 2j + 1 (high); a row's int16 sums over the group
+      __m256i s[R][2];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j));
-        const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j + 32));
+        const __m256i w00 = _mm256_and_si256(v0, low), w01 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+        const __m256i w10 = _mm256_and_si256(v1, low), w11 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i) {
-          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(xq[i][2 * j])),
-                                             _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xq[i][2 * j + 1])));
-          s[i] = j == 0 ? t : _mm256_add_epi16(s[i], t);
-          pin(s[i]);
+          const __m256i b0 = _mm256_set1_epi32(xq[i][2 * j]), b1 = _mm256_set1_epi32(xq[i][2 * j + 1]);
+          const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, b0), _mm256_maddubs_epi16(w01, b1));
+          const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(w10, b0), _mm256_maddubs_epi16(w11, b1));
+          s[i][0] = j == 0 ? t0 : _mm256_add_epi16(s[i][0], t0);
+          s[i][1] = j == 0 ? t1 : _mm256_add_epi16(s[i][1], t1);
+          pin(s[i][0]);
+          pin(s[i][1]);
         }
       }
-      for (int i = 0; i < R; ++i) a[i] = _mm256_madd_epi16(s[i], ones);
+      for (int i = 0; i < R; ++i)
+        for (int h = 0; h < 2; ++h) a[i][h] = _mm256_madd_epi16(s[i][h], ones);
     } else {  // q + 128 -> q (signed), and |q| for the unsigned operand
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j)), flip);
-        const __m256i mag = _mm256_abs_epi8(w);
+        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j)), flip);
+        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j + 32)), flip);
+        const __m256i mag0 = _mm256_abs_epi8(w0), mag1 = _mm256_abs_epi8(w1);
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i) {
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(xq[i][j]), w)), ones);
-          a[i] = j == 0 ? p : _mm256_add_epi32(a[i], p);
-          pin(a[i]);
+          const __m256i b = _mm256_set1_epi32(xq[i][j]);
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(mag0, _mm256_sign_epi8(b, w0)), ones);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(mag1, _mm256_sign_epi8(b, w1)), ones);
+          a[i][0] = j == 0 ? p0 : _mm256_add_epi32(a[i][0], p0);
+          a[i][1] = j == 0 ? p1 : _mm256_add_epi32(a[i][1], p1);
+          pin(a[i][0]);
+          pin(a[i][1]);
         }
       }
     }
     if (I4) {
-      const uint16_t* sc = static_cast<const uint16_t*>(SC) + at * 2 * BLOCK + 8 * h;
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-      const __m256 cv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BLOCK)));
+      const uint16_t* sc = static_cast<const uint16_t*>(SC) + at * 2 * BLOCK;
+      __m256 dv[2], cv[2];
+      for (int h = 0; h < 2; ++h) {
+        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * h)));
+        cv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + BLOCK + 8 * h)));
+      }
 #pragma GCC unroll 4
       for (int i = 0; i < R; ++i) {
         const int64_t t = (m0 + i) * G + g;
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), _mm256_mul_ps(dv, _mm256_set1_ps(act.dx[t])), acc[i]);
-        acc[i] = _mm256_fmadd_ps(cv, _mm256_set1_ps(act.dxs[t]), acc[i]);
+        const __m256 dx = _mm256_set1_ps(act.dx[t]), dxs = _mm256_set1_ps(act.dxs[t]);
+        for (int h = 0; h < 2; ++h) {
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][h]), _mm256_mul_ps(dv[h], dx), acc[i][h]);
+          acc[i][h] = _mm256_fmadd_ps(cv[h], dxs, acc[i][h]);
+        }
       }
     } else {
 #pragma GCC unroll 4
-      for (int i = 0; i < R; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i]), _mm256_set1_ps(act.dx[(m0 + i) * G + g]), acc[i]);
+      for (int i = 0; i < R; ++i) {
+        const __m256 dx = _mm256_set1_ps(act.dx[(m0 + i) * G + g]);
+        for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[i][h]), dx, acc[i][h]);
+      }
     }
   }
-  const __m256 scale = I4 ? _mm256_set1_ps(1.f) : _mm256_loadu_ps(static_cast<const float*>(SC) + nb * BLOCK + 8 * h);
-  for (int i = 0; i < R; ++i)
-    store8(Y + (m0 + i) * N + nb * BLOCK + 8 * h, I4 ? acc[i] : _mm256_mul_ps(acc[i], scale));
+  for (int h = 0; h < 2; ++h) {
+    const __m256 scale = I4 ? _mm256_set1_ps(1.f) : _mm256_loadu_ps(static_cast<const float*>(SC) + nb * BLOCK + 8 * h);
+    for (int i = 0; i < R; ++i)
+      store8(Y + (m0 + i) * N + nb * BLOCK + 8 * h, I4 ? acc[i][h] : _mm256_mul_ps(acc[i][h], scale));
+  }
 }
 
 template <bool I4, typename Out>
 void block2(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
             Out* Y) {
-  for (int h = 0; h < 2; ++h) {
-    int64_t m0 = 0;
-    for (; m0 + MB2 <= M; m0 += MB2) rows2<MB2, I4, Out>(nb, h, m0, K, N, W, SC, act, Y);
-    switch (M - m0) {
-      case 3: rows2<3, I4, Out>(nb, h, m0, K, N, W, SC, act, Y); break;
-      case 2: rows2<2, I4, Out>(nb, h, m0, K, N, W, SC, act, Y); break;
-      case 1: rows2<1, I4, Out>(nb, h, m0, K, N, W, SC, act, Y); break;
-      default: break;
-    }
+  int64_t m0 = 0;
+  for (; m0 + MB2 <= M; m0 += MB2) rows2<MB2, I4, Out>(nb, m0, K, N, W, SC, act, Y);
+  switch (M - m0) {
+    case 3: rows2<3, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 2: rows2<2, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    case 1: rows2<1, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
+    default: break;
   }
 }
 
