@@ -8,24 +8,10 @@ lengths, orders, masked columns), then timed interleaved at decode and verificat
 from __future__ import annotations
 
 import statistics
-import subprocess
 import time
-import types
 
 import torch
-from _common import options, parse, write_json
-
-
-def _load_revision(rev: str):
-    """The attend op of `rev`, registered as torch.ops.verispec.attend_at_rev."""
-    from verispec.fast import ops
-
-    text = subprocess.run(["git", "show", f"{rev}:verispec/fast/attend.py"], capture_output=True, text=True, check=True).stdout
-    mod = types.ModuleType("attend_at_rev")
-    exec(compile(text, f"attend.py@{rev}", "exec"), mod.__dict__)  # noqa: S102 - the project's own source
-    source = mod._SOURCE.replace('m.def("attend(', 'm.def("attend_at_rev(').replace('m.impl("attend"', 'm.impl("attend_at_rev"')
-    ops.load_for_cpu(f"attend_at_{rev[:12]}", source)
-    return torch.ops.verispec.attend_at_rev
+from _common import op_at_revision, options, parse, write_json
 
 
 def _sweep(new, old) -> int:
@@ -60,7 +46,10 @@ def main() -> None:
 
     if attend.available() is not None:
         raise SystemExit(f"the attend kernel does not run here: {attend.available()}")
-    new, old = torch.ops.verispec.attend, _load_revision(args.against)
+    from verispec.fast import ops
+
+    new = torch.ops.verispec.attend
+    old = op_at_revision(args.against, "verispec/fast/attend.py", "attend", ops.load_for_cpu)
     cases = _sweep(new, old)
     print(f"bit-equal to {args.against} on {cases} cases")
     H, KVH, D = args.heads
