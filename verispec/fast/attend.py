@@ -58,6 +58,9 @@ constexpr int NL = 8;
 constexpr int NL = 4;
 #endif
 constexpr int W = 16, P = W / NL;
+constexpr int CB = P >= 4 ? 1 : 4 / P;  // value chunks per pass: 2 * CB * P accumulator registers (8)
+constexpr int64_t SPAN = 4;
+constexpr int KI = 2;  // keys whose dot products run interleaved (4: no faster on Zen 3)  // blocks of 16 keys read by all heads in turn (head_dim 64: 16 KB of float32 keys)
 typedef float vn __attribute__((vector_size(NL * 4)));
 typedef int32_t vni __attribute__((vector_size(NL * 4)));
 struct vf { vn p[P]; };
@@ -152,7 +155,11 @@ inline vn vexp(vn x) {
 }
 
 // one kv head's g query heads for query row t (head dim D: C chunks of 16, the last `last` long): out[j]
-// from q[j] over the visible columns. s: scratch of g * (L + 16) floats, slot: of L + 16
+// from q[j] over the visible columns. The g heads see the same keys, so they run together, block of 16 keys
+// by block: a block's keys and values are read from the cache once for all g heads (the cache rows of a
+// few hundred keys outgrow L1, and the heads one after the other streamed them from L2 g times each,
+// which bounded the kernel). Each head's arithmetic is the same operations in the same order as one head
+// alone. s: scratch of g * (L + 16 + 2 * C * 16 + C * 16 + 16) floats, slot: of L + 16
 template <int C, bool FULL>
 void row(const float* const* q, float* const* out, int64_t g, const float* K, const float* V, int64_t ks, int64_t vs,
          const float* bias, const int64_t* order, int64_t L, int last, float scale, float* s, int64_t* slot) {
@@ -161,35 +168,52 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
     if (bias[c] == 0.0f) slot[n++] = order ? order[c] : c;
   const int64_t nb = (n + W - 1) / W;
   const float inf = std::numeric_limits<float>::infinity();
+  float* qs = s + g * nb * W;       // [g][C * 16] the scaled queries
+  float* os = qs + g * C * W;       // [g][2][C * 16] the value sums of even and odd keys
+  float* mxs = os + 2 * g * C * W;  // [g][16] the running maxima, lane-wise
   for (int64_t j = 0; j < g; ++j) {
-    float* sj = s + j * nb * W;
-    vf qv[C];
     for (int c = 0; c < C; ++c) {
-      qv[c] = chunk<C, FULL>(q[j], c, last);
-      for (int k = 0; k < P; ++k) qv[c].p[k] *= scale;
+      vf v = chunk<C, FULL>(q[j], c, last);
+      for (int k = 0; k < P; ++k) v.p[k] *= scale;
+      store(qs + (j * C + c) * W, v);
     }
     vf mx;
     for (int k = 0; k < P; ++k) mx.p[k] = vn{} - inf;
-    for (int64_t b = 0; b < nb; ++b) {  // 16 keys at a time: their dot products, reduced together
-      vf acc[W];
-      for (int i = 0; i < W; ++i) {
-        vf a = {};
-        if (b * W + i < n) {
-          const float* kr = K + slot[b * W + i] * ks;
+    store(mxs + j * W, mx);
+  }
+  for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {  // SPAN blocks of 16 keys for every head, then the next SPAN
+    for (int64_t j = 0; j < g; ++j) {
+      vf qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = load(qs + (j * C + c) * W);
+      vf mx = load(mxs + j * W);
+      for (int64_t b = b0; b < std::min(nb, b0 + SPAN); ++b) {  // 16 keys: their dot products, reduced together
+        vf acc[W];
+        for (int i = 0; i < W; i += KI) {  // KI keys at a time, their chains interleaved
+          vf a[KI] = {};
+          const float* kr[KI];  // past the last key: the last key again (its score is replaced by -inf below)
+          for (int u = 0; u < KI; ++u) kr[u] = K + slot[std::min(b * W + i + u, n - 1)] * ks;
 #pragma GCC unroll 16
           for (int c = 0; c < C; ++c) {
-            const vf kc = chunk<C, FULL>(kr, c, last);
-            for (int k = 0; k < P; ++k) a.p[k] += qv[c].p[k] * kc.p[k];
+#pragma GCC unroll 4
+            for (int u = 0; u < KI; ++u) {
+              const vf kc = chunk<C, FULL>(kr[u], c, last);
+              for (int k = 0; k < P; ++k) a[u].p[k] += qv[c].p[k] * kc.p[k];
+            }
           }
+          for (int u = 0; u < KI; ++u) acc[i + u] = a[u];
         }
-        acc[i] = a;
+        vf sc = reduce16(acc);
+        if ((b + 1) * W > n)  // past the last key: -inf, so exp gives 0
+          for (int i = n - b * W; i < W; ++i) sc.p[i / NL][i % NL] = -inf;
+        store(s + j * nb * W + b * W, sc);
+        for (int k = 0; k < P; ++k) mx.p[k] = sc.p[k] > mx.p[k] ? sc.p[k] : mx.p[k];
       }
-      vf sc = reduce16(acc);
-      if ((b + 1) * W > n)  // past the last key: -inf, so exp gives 0
-        for (int i = n - b * W; i < W; ++i) sc.p[i / NL][i % NL] = -inf;
-      store(sj + b * W, sc);
-      for (int k = 0; k < P; ++k) mx.p[k] = sc.p[k] > mx.p[k] ? sc.p[k] : mx.p[k];
+      store(mxs + j * W, mx);
     }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = s + j * nb * W;
+    const vf mx = load(mxs + j * W);
     float m = lane(mx, 0);
     for (int l = 1; l < W; ++l) m = lane(mx, l) > m ? lane(mx, l) : m;
     vf tot = {};
@@ -201,31 +225,57 @@ void row(const float* const* q, float* const* out, int64_t g, const float* K, co
       }
       store(sj + b * W, p);
     }
-    const float total = hsum(tot);
-    vf o0[C] = {}, o1[C] = {};  // even and odd keys apart (two chains), added at the end
-    int64_t i = 0;
-    for (; i + 1 < n; i += 2) {
-      const float* v0 = V + slot[i] * vs;
-      const float* v1 = V + slot[i + 1] * vs;
+    mxs[j * W] = hsum(tot);  // the head's total, kept where its maxima were
+    std::memset(os + 2 * j * C * W, 0, 2 * C * W * sizeof(float));
+  }
+  // the value sums: even and odd keys apart (two chains), added at the end; per block of 16 keys and head,
+  // CB chunks at a time so that both chains' accumulators stay in registers
+  for (int64_t b = 0; b < nb; b += SPAN) {
+    const int64_t i0 = b * W, i1 = std::min(n, i0 + SPAN * W);
+    for (int64_t j = 0; j < g; ++j) {
+      const float* sj = s + j * nb * W;
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) {
-        const vf a0 = chunk<C, FULL>(v0, c, last), a1 = chunk<C, FULL>(v1, c, last);
-        for (int k = 0; k < P; ++k) {
-          o0[c].p[k] += sj[i] * a0.p[k];
-          o1[c].p[k] += sj[i + 1] * a1.p[k];
+      for (int c0 = 0; c0 < C; c0 += CB) {
+        float* o0p = os + (2 * j * C + c0) * W;
+        float* o1p = o0p + C * W;
+        vf o0[CB], o1[CB];
+        for (int c = 0; c < CB && c0 + c < C; ++c) {
+          o0[c] = load(o0p + c * W);
+          o1[c] = load(o1p + c * W);
+        }
+        int64_t i = i0;
+        for (; i + 1 < i1; i += 2) {
+          const float* v0 = V + slot[i] * vs;
+          const float* v1 = V + slot[i + 1] * vs;
+#pragma GCC unroll 16
+          for (int c = 0; c < CB && c0 + c < C; ++c) {
+            const vf a0 = chunk<C, FULL>(v0, c0 + c, last), a1 = chunk<C, FULL>(v1, c0 + c, last);
+            for (int k = 0; k < P; ++k) {
+              o0[c].p[k] += sj[i] * a0.p[k];
+              o1[c].p[k] += sj[i + 1] * a1.p[k];
+            }
+          }
+        }
+        if (i < i1) {  // the last key when n is odd (blocks hold an even number of keys)
+          const float* v0 = V + slot[i] * vs;
+          for (int c = 0; c < CB && c0 + c < C; ++c) {
+            const vf a0 = chunk<C, FULL>(v0, c0 + c, last);
+            for (int k = 0; k < P; ++k) o0[c].p[k] += sj[i] * a0.p[k];
+          }
+        }
+        for (int c = 0; c < CB && c0 + c < C; ++c) {
+          store(o0p + c * W, o0[c]);
+          store(o1p + c * W, o1[c]);
         }
       }
     }
-    if (i < n) {
-      const float* v0 = V + slot[i] * vs;
-      for (int c = 0; c < C; ++c) {
-        const vf a0 = chunk<C, FULL>(v0, c, last);
-        for (int k = 0; k < P; ++k) o0[c].p[k] += sj[i] * a0.p[k];
-      }
-    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float total = mxs[j * W];
     for (int c = 0; c < C; ++c) {
+      const vf o0 = load(os + (2 * j * C + c) * W), o1 = load(os + ((2 * j + 1) * C + c) * W);
       vf o;
-      for (int k = 0; k < P; ++k) o.p[k] = (o0[c].p[k] + o1[c].p[k]) / total;
+      for (int k = 0; k < P; ++k) o.p[k] = (o0.p[k] + o1.p[k]) / total;
       std::memcpy(out[j] + W * c, &o, (c < C - 1 ? W : last) * sizeof(float));
     }
   }
@@ -272,7 +322,7 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
   const int64_t ks = k.stride(1), vs = v.stride(1), kh = k.stride(0), vh = v.stride(0);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, KVH * T, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> s(g * (L + W));
+    std::vector<float> s(g * (L + W + 3 * 256 + W));  // row's scratch (C * 16 <= 256)
     std::vector<int64_t> slot(L + W);
     std::vector<const float*> qs(g);
     std::vector<float*> os(g);
