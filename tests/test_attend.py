@@ -64,6 +64,19 @@ def test_a_rows_bits_do_not_depend_on_its_keys_slots_company_length_or_threads()
         torch.set_num_threads(threads)
 
 
+def test_a_heads_bits_do_not_depend_on_the_heads_that_share_its_keys():
+    """The query heads of one kv head run together over the same blocks of keys (one read of the cache for
+    all of them); each gets the bits it gets alone, for lengths that end inside a block and past a span."""
+    for T, L, p0 in ((3, 112, 90), (2, 150, 140)):
+        q, k, v, pos = _case(H=6, KVH=2, T=T, p0=p0, S=160)
+        b = _bias(pos, L, 3)
+        together = attend.attention(q, k, v, b, 0.125, None)
+        for h in range(6):
+            kv = h // 3
+            alone = attend.attention(q[h:h + 1].contiguous(), k[kv:kv + 1], v[kv:kv + 1], b, 0.125, None)
+            assert torch.equal(alone[0], together[h])
+
+
 def test_canonical_attention_runs_the_kernel_on_float32_cpu_caches_only():
     q, k, v, pos = _case()
     assert attend.runs_on(k) and not attend.runs_on(k.double()) and not attend.runs_on(torch.zeros(2, 8, 264))
