@@ -74,6 +74,25 @@ def test_auto_budget_counts_what_drafting_costs():
     assert e.tree_shape(6) is None
 
 
+def test_auto_budget_is_not_computed_again_while_its_inputs_stand(monkeypatch):
+    """Plain steps change none of choose_budget's inputs (no acceptance counted, no proposal timed), so the
+    engine computes the choice again only when they change: at most once per drafted step, plus the first."""
+    import verispec.engine as engine_mod
+
+    target = loaded(tiny_llama())
+    e = build_engine(target, "ngram", tree="dynamic", tree_budget="auto",
+                     verify_cost={1: 0.01, 2: 0.05, 256: 12.8}, backend="hf")  # a node never pays: plain steps
+    calls = []
+    real = engine_mod.choose_budget
+    monkeypatch.setattr(engine_mod, "choose_budget", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = e.generate([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=30))
+    assert g.stats.steps >= 20 and len(calls) <= 1 + g.stats.tree_steps
+    assert g.stats.tree_steps >= 1  # the exploration still drafts now and then, and its result is recomputed
+    e.verify_cost = {1: 0.01, 2: 0.0101, 256: 2.56}  # another cost curve: chosen again, now drafting
+    before = len(calls)
+    assert e.tree_shape(6) is not None and len(calls) == before + 1
+
+
 def test_measure_verify_cost_leaves_the_runner_clean():
     target = loaded(tiny_llama())
     e = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", backend="hf")
