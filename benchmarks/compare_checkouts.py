@@ -5,7 +5,8 @@ through two source trees (e.g. a `git worktree` of the old commit and the curren
 prompt by prompt so that a noisy shared machine slows both alike. Each checkout runs in its own worker
 process (PYTHONPATH = that tree) that loads the model once and answers requests over stdin/stdout; only
 the public API (`verispec.api.build_engine`, `Engine.generate`) is used, so any two versions that have it
-can be compared.
+can be compared. Each tree builds its C++ operators in a folder of its own (`extensions_dir`; the first run
+of a tree builds them all, a few minutes).
 
     python benchmarks/compare_checkouts.py --before /work/wt-before --after . \
         --methods ar ngram suffix lookahead eagle eagle:dynamic medusa:dynamic dflash \
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,12 +69,24 @@ def spec_bench_prompts(per_task: int) -> list[tuple[str, str]]:
     return out
 
 
+def extensions_dir(root: Path) -> Path:
+    """Where a tree's workers build and load the C++ operators: a folder of its own per source tree. The
+    operators are built under fixed names (verispec_qmm, ...); in one shared folder the two workers each
+    rewrote the other's source, and one that found the other's build in progress waited for it and loaded
+    it: both trees then ran one tree's kernels (and the folder kept a library older than its source)."""
+    import hashlib
+
+    key = hashlib.sha1(str(root).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "verispec-compare-extensions" / key
+
+
 def launch(tree: str, code: str, args: list[str], threads: int, **kw) -> subprocess.Popen:
     """`python -c code args` importing verispec from `tree`. It runs in the tree: a `-c` script puts its
     working directory first on sys.path, ahead of PYTHONPATH, so started elsewhere (the repository root
     of an editable install) it would import that checkout's verispec, whatever PYTHONPATH says."""
     root = Path(tree).resolve()
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS=str(threads),
+               TORCH_EXTENSIONS_DIR=str(extensions_dir(root)))
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=root, text=True, **kw)
 
 
