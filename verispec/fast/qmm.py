@@ -181,24 +181,6 @@ void rows(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const 
     store16(Y + (m0 + i) * N + nb * BLOCK, I4 ? acc[i] : _mm512_mul_ps(acc[i], scale));
 }
 
-// one block of 16 output channels for all M rows: MB rows at a time, then the rest
-template <bool I4, typename Out>
-void block(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
-           Out* Y) {
-  int64_t m0 = 0;
-  for (; m0 + MB <= M; m0 += MB) rows<MB, I4, Out>(nb, m0, K, N, W, SC, act, Y);
-  switch (M - m0) {
-    case 7: rows<7, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 6: rows<6, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 5: rows<5, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 4: rows<4, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 3: rows<3, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 2: rows<2, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 1: rows<1, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    default: break;
-  }
-}
-
 // ---- AVX2 + FMA + F16C (no VNNI, e.g. Zen 3): the same arithmetic on 256-bit vectors ----
 // Same packing, same rounding of the activations, the same exact integer sums I and S, and the same float
 // operations in the same order per output, so both kernels give the same bits. The integer sums come from
@@ -367,17 +349,36 @@ void rows2(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const
   }
 }
 
-template <bool I4, typename Out>
-void block2(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
-            Out* Y) {
-  int64_t m0 = 0;
-  for (; m0 + MB2 <= M; m0 += MB2) rows2<MB2, I4, Out>(nb, m0, K, N, W, SC, act, Y);
-  switch (M - m0) {
-    case 3: rows2<3, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 2: rows2<2, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    case 1: rows2<1, I4, Out>(nb, m0, K, N, W, SC, act, Y); break;
-    default: break;
+// the two instruction sets' row kernels as types, for block(): at most MAX rows a call
+struct Avx512 {
+  static constexpr int MAX = MB;
+  template <int R, bool I4, typename Out>
+  static void run(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
+                  Out* Y) { rows<R, I4, Out>(nb, m0, K, N, W, SC, act, Y); }
+};
+struct Avx2 {
+  static constexpr int MAX = MB2;
+  template <int R, bool I4, typename Out>
+  static void run(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
+                  Out* Y) { rows2<R, I4, Out>(nb, m0, K, N, W, SC, act, Y); }
+};
+
+// the last r < MAX rows of a block in one call of the kernel made for r rows
+template <typename Isa, int R, bool I4, typename Out>
+void rest(int64_t r, int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act,
+          Out* Y) {
+  if constexpr (R > 0) {
+    if (r == R) Isa::template run<R, I4, Out>(nb, m0, K, N, W, SC, act, Y);
+    else rest<Isa, R - 1, I4, Out>(r, nb, m0, K, N, W, SC, act, Y);
   }
+}
+
+// one block of 16 output channels for all M rows: MAX rows at a time, then the rest
+template <typename Isa, bool I4, typename Out>
+void block(int64_t nb, int64_t M, int64_t K, int64_t N, const uint8_t* W, const void* SC, const Act& act, Out* Y) {
+  int64_t m0 = 0;
+  for (; m0 + Isa::MAX <= M; m0 += Isa::MAX) Isa::template run<Isa::MAX, I4, Out>(nb, m0, K, N, W, SC, act, Y);
+  rest<Isa, Isa::MAX - 1, I4, Out>(M - m0, nb, m0, K, N, W, SC, act, Y);
 }
 
 // x [M, K] (any float dtype) -> [M, N] in x's dtype. 4-bit: w [N / 16, K / 32, 256] uint8, sc [N / 16, K / 32,
@@ -412,8 +413,8 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc) {
   auto run = [&](auto* Y) {
     at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
       for (int64_t nb = b0; nb < b1; ++nb) {
-        if (vnni) int4 ? block<true>(nb, M, K, N, W, SC, act, Y) : block<false>(nb, M, K, N, W, SC, act, Y);
-        else int4 ? block2<true>(nb, M, K, N, W, SC, act, Y) : block2<false>(nb, M, K, N, W, SC, act, Y);
+        if (vnni) int4 ? block<Avx512, true>(nb, M, K, N, W, SC, act, Y) : block<Avx512, false>(nb, M, K, N, W, SC, act, Y);
+        else int4 ? block<Avx2, true>(nb, M, K, N, W, SC, act, Y) : block<Avx2, false>(nb, M, K, N, W, SC, act, Y);
       }
     });
   };
