@@ -158,8 +158,8 @@ class Engine:
         budget = tree.budget
         if budget is None:
             # the choice changes only with its inputs, and a plain step changes none of them (no acceptance
-            # to count, no proposal to time): between drafted steps it is not computed again (pure Python,
-            # ~0.5 ms a step, about 4% of a one-position step)
+            # to count, no proposal to time): between drafted steps it is not computed again (it is pure
+            # Python over every candidate budget's optimal tree; its cost: docs/performance-notes.md)
             profile = tuple(self.rank_acceptance.profile())
             key = (profile, self.draft_seconds, tree.depth, id(self.verify_cost))
             if self._choice is None or self._choice[0] != key:

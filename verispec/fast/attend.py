@@ -59,8 +59,8 @@ constexpr int NL = 4;
 #endif
 constexpr int W = 16, P = W / NL;
 constexpr int CB = P >= 4 ? 1 : 4 / P;  // value chunks per pass: 2 * CB * P accumulator registers (8)
-constexpr int64_t SPAN = 4;
-constexpr int KI = 2;  // keys whose dot products run interleaved (4: no faster on Zen 3)  // blocks of 16 keys read by all heads in turn (head_dim 64: 16 KB of float32 keys)
+constexpr int64_t SPAN = 4;  // blocks of 16 keys read by all heads in turn (head_dim 64: 16 KB of float32 keys)
+constexpr int KI = 2;        // keys whose dot products run interleaved (two dependency chains)
 typedef float vn __attribute__((vector_size(NL * 4)));
 typedef int32_t vni __attribute__((vector_size(NL * 4)));
 struct vf { vn p[P]; };

@@ -263,7 +263,7 @@ __attribute__((always_inline)) inline void pin(__m256i& v) { asm("" : "+x"(v)); 
 // integer sums run over one loaded line at a time for all R rows (a group's expanded lines held while summing
 // each row spilled the sums and stalled each group on a store), each partial sum pinned in a register; at 4
 // rows the float accumulators go to the stack, read and written once per group on the load/store ports
-// while the vector ports do the products (faster than 2 rows at a time). Integer sums are exact in any
+// while the vector ports do the products (docs/fast-native.md has the measurement). Integer sums are exact in any
 // order, and the float part is rows' operations in rows' order per output, so this changes no bit.
 template <int R, bool I4, typename Out>
 __attribute__((target("avx2,fma,f16c")))
