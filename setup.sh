@@ -32,4 +32,6 @@ fi
 .venv/bin/python -c "from verispec.fast import norm; print('rms_norm kernel:', norm.available() or 'rms_norm')"
 # and the rotary-embedding + cache-write kernel (verispec/fast/rope.py; PyTorch's operations without it)
 .venv/bin/python -c "from verispec.fast import rope; print('rope kernel:', rope.available() or 'rope_store')"
+# and the gated MLP's SiLU * up kernel (verispec/fast/glu.py; PyTorch's operations without it)
+.venv/bin/python -c "from verispec.fast import glu; print('silu_mul kernel:', glu.available() or 'silu_mul')"
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -153,9 +153,8 @@ def test_training_forward_equals_the_drafter(dataset):
     r = records[2]
     seq = r["prompt_ids"] + r["answer_ids"]
     n, pl = len(seq), len(r["prompt_ids"])
-    o = data.offsets[2]
     cols = data.columns(model.feature_layers, model.hidden)
-    feats = data.feats[o:o + n].index_select(-1, cols).float()
+    feats = data.feats_of(2).index_select(-1, cols).float()
     tok = torch.tensor([seq])
     anchors = torch.arange(pl - 2, n - 1)[None]  # pl - 2: the pending token is the last prompt token
     with torch.no_grad():

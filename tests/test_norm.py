@@ -81,3 +81,20 @@ def test_bad_input_is_one_clear_error():
 def test_verispec_norm_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("VERISPEC_NORM", "0")
     assert norm.OPERATOR.build() == "VERISPEC_NORM=0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_residual_sum_and_its_norm_in_one_call(dtype):
+    """add_rms_norm gives ATen's rounded sum x + o and exactly the norm kernel's bits of it, row by row."""
+    x, w = _rows(40, 576, dtype, seed=4)
+    o, _ = _rows(40, 576, dtype, seed=5)
+    y, h = torch.ops.verispec.add_rms_norm(x, o, w, 1e-5)
+    assert torch.equal(y, x + o)
+    assert torch.equal(h, torch.ops.verispec.rms_norm(x + o, w, 1e-5))
+    alone = [torch.ops.verispec.add_rms_norm(x[i:i + 1], o[i:i + 1], w, 1e-5) for i in range(40)]
+    assert torch.equal(torch.cat([a for a, _ in alone]), y) and torch.equal(torch.cat([b for _, b in alone]), h)
+    strided = torch.ops.verispec.add_rms_norm(x.t().contiguous().t(), o, w, 1e-5)  # a column-major x
+    assert torch.equal(strided[0], y) and torch.equal(strided[1], h)
+    assert all(torch.equal(a, b) for a, b in zip(core.add_rms_norm(x, o, w, 1e-5, gemma=False), (y, h)))
+    with pytest.raises(RuntimeError, match="add_rms_norm: x and o"):
+        torch.ops.verispec.add_rms_norm(x, o[:3], w, 1e-5)

@@ -102,8 +102,9 @@ def plan(positions: torch.Tensor, L: int, order: torch.Tensor | None, floor: int
 
 def bias(mask: torch.Tensor, g: int) -> torch.Tensor:
     """[T, L] boolean canonical mask -> additive float32 bias [g * T, L] (0 or -inf), once per pass."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    return out.masked_fill_(~mask, float("-inf")).repeat(g, 1)
+    T, L = mask.shape
+    # where + expand: Tensor.repeat costs several times a copy at these sizes
+    return torch.where(mask, 0.0, float("-inf")).float().expand(g, T, L).reshape(g * T, L)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias_: torch.Tensor, scale: float,

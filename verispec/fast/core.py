@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import canonical, norm, rope
+from verispec.fast import canonical, glu, norm, rope
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch
     if gemma:  # transformers' Gemma3RMSNorm: (x * (1 + w)) in float32, then cast
         return (torch.rms_norm(x.float(), x.shape[-1:], None, eps) * (1.0 + w.float())).to(x.dtype)
     return norm.rms_norm(x, w, eps)  # LlamaRMSNorm (cast first, then scale): one kernel on the CPU
+
+
+def add_rms_norm(x: torch.Tensor, o: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + o, rms_norm(x + o)): a residual sum and the norm after it, one kernel call on the CPU (norm.py)."""
+    if gemma:
+        y = x + o
+        return y, rms_norm(y, w, eps, gemma)
+    return norm.add_rms_norm(x, o, w, eps)
 
 
 def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype):
@@ -127,10 +135,8 @@ def _attention_out(x, o, w, a: Arch, linear) -> torch.Tensor:
     o = linear(o, w["wo"], w.get("bo"))
     if a.sandwich:
         o = rms_norm(o, w["ln_post_attn"], a.eps, a.gemma_norm)
-    x = x + o
-    h = rms_norm(x, w["ln_mlp"], a.eps, a.gemma_norm)
-    gate, up = linear(h, w["wgu"]).chunk(2, dim=-1)
-    h = linear(a.act(gate) * up, w["wdown"])
+    x, h = add_rms_norm(x, o, w["ln_mlp"], a.eps, a.gemma_norm)
+    h = linear(glu.gated(linear(h, w["wgu"]), a.act), w["wdown"])  # act(gate) * up: one kernel for SiLU
     if a.sandwich:
         h = rms_norm(h, w["ln_post_mlp"], a.eps, a.gemma_norm)
     return x + h

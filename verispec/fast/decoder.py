@@ -105,6 +105,7 @@ class FastDecoder:
         self._step = functools.partial(layer_step, a=arch, linear=self.linear)
         self._compiled = None
         self._native_args: dict[int, list | None] = {}  # id(layers) -> native.layer_args of each layer, or None
+        self._floors: dict[tuple, int | None] = {}  # row_floor's answers for this decoder, without rebuilding its key
         self._rope_tables: dict = {}  # rope key -> (cos, sin) [N, 1, head_dim] for positions 0 .. N - 1
 
     def _tables(self, pos: torch.Tensor) -> dict:
@@ -165,6 +166,9 @@ class FastDecoder:
         """The fewest rows from which an exact-mode pass gives every row the same bits at any row count up
         to max_rows: the projections, the LM head and canonical attention over one and two kv blocks
         (row_invariance.py; probed once per setting), or None."""
+        quick = (self.linear, max_rows, kv_block, torch.get_num_threads())  # the rest of the key is fixed at init
+        if quick in self._floors:
+            return self._floors[quick]
         a = self.arch
         # the kernels' split of the work may follow the thread count
         probes = tuple((getattr(p, "keywords", {}).get("fmt"), tuple(s)) for p, s in self._probes)
@@ -177,7 +181,8 @@ class FastDecoder:
             att = row_invariance.attention_row_floor(a.n_heads, a.n_kv_heads, a.head_dim, max_rows,
                                                      (kv_block, 2 * kv_block), self.cache_dtype, self.device)
             _ROW_FLOORS[key] = None if lin is None or att is None else max(lin, att)
-        return _ROW_FLOORS[key]
+        self._floors[quick] = _ROW_FLOORS[key]
+        return self._floors[quick]
 
     def _native_layers(self, layers: list[dict], linear: Callable) -> list | None:
         """native.layer_args of every layer (the quantized weights or their dense copy), None where the

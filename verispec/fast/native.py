@@ -5,11 +5,13 @@ interpreter and binding overhead on top of the kernel (benchmarks/native_step.py
 saves). The C++ below issues THE SAME ATen operations in the same order with the same arguments as
 core.layer_step (rms_norm -- norm.py's kernel where core.rms_norm calls it --, the projection kernels of
 packed.py / quant.py, rope.py's rotation and cache write -- its kernel or the roll and index_copy_ --,
-scaled_dot_product_attention, silu), so it computes the same bits: core.layer_step stays the reference
-and tests/test_native.py checks bit equality against it, in exact mode too (canonical.py's attention,
-its operations likewise issued from C++). A pass is one native call for all layers (`layers`, or
-`layers_canonical` in exact mode); a pass that captures hidden states (the drafters reading the target's
-features) makes one such call per stretch of layers up to a captured one.
+scaled_dot_product_attention, silu and the product -- glu.py's kernel where core.py calls it), so it
+computes the same bits. One liberty: a layer's MLP residual is added by the next layer's input norm in
+one call (norm.add_rms_norm, whose bits are the add's and then the norm's). core.layer_step stays the
+reference and tests/test_native.py checks bit equality against it, in exact mode too (canonical.py's
+attention, its operations likewise issued from C++). A pass is one native call for all layers (`layers`,
+or `layers_canonical` in exact mode); a pass that captures hidden states (the drafters reading the
+target's features) makes one such call per stretch of layers up to a captured one.
 
 What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
 are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones
@@ -28,7 +30,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from verispec.fast import norm, packed, quant, rope
+from verispec.fast import glu, norm, packed, quant, rope
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +83,11 @@ at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w0, const
 
 bool norm_kernel = false;  // norm.py's kernel runs (set from Python: use_norm_kernel)
 bool rope_kernel = false;  // rope.py's kernel runs (set from Python: use_rope_kernel)
+bool glu_kernel = false;   // glu.py's kernel runs (set from Python: use_glu_kernel)
 
 void use_norm_kernel(bool on) { norm_kernel = on; }
 void use_rope_kernel(bool on) { rope_kernel = on; }
+void use_glu_kernel(bool on) { glu_kernel = on; }
 
 bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
@@ -98,6 +102,30 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return w * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
 }
 
+// glu.gated with SiLU: its kernel where glu.runs_on takes gu [T, 2I], else silu(gate) * up
+at::Tensor silu_mul(const at::Tensor& gu) {
+  const auto t = gu.scalar_type();
+  if (glu_kernel && gu.is_cpu() && (t == at::kFloat || t == at::kBFloat16) && gu.stride(-1) == 1) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::silu_mul", "")
+                         .typed<at::Tensor(const at::Tensor&)>();
+    return op.call(gu);
+  }
+  auto parts = gu.chunk(2, -1);
+  return at::silu(parts[0]) * parts[1];
+}
+
+// norm.add_rms_norm: (x + o, its norm), one kernel call where norm.runs_on takes x, else the add and norm()
+std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& o, const at::Tensor& w, double eps) {
+  const auto t = x.scalar_type();
+  if (norm_kernel && x.is_cpu() && w.scalar_type() == t && o.scalar_type() == t && float_type(t) && o.sizes() == x.sizes()) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("verispec::add_rms_norm", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(x, o, w, eps);
+  }
+  at::Tensor y = x + o;
+  return {y, norm(y, w, eps)};
+}
+
 // w: ln_attn, ln_mlp, then (w0, w1) of wqkv, wo, wgu, wdown; kinds: their 4 kinds; biases: bqkv, bo
 struct Layer {
   std::vector<at::Tensor> w;
@@ -105,12 +133,29 @@ struct Layer {
   std::optional<at::Tensor> bqkv, bo;
 };
 
-// x [T, hidden] -> queries [H, T, hd] in kv's dtype; keys and values written to kv at `slots`
-at::Tensor attn_in(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
+// The hidden states between layers: x, or x + mlp where the last layer's MLP residual is still to be added
+// (the next layer adds it in the same call as its input norm: norm.add_rms_norm, the same bits as the add
+// and then the norm)
+struct Stream {
+  at::Tensor x;
+  std::optional<at::Tensor> mlp;
+  at::Tensor sum() const { return mlp.has_value() ? x + *mlp : x; }
+};
+
+// s [T, hidden] -> queries [H, T, hd] in kv's dtype; keys and values written to kv at `slots`; s.x is then
+// the layer's input with any pending residual added
+at::Tensor attn_in(Stream& s, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
                    const std::optional<at::Tensor>& bqkv, at::Tensor kv, const at::Tensor& slots,
                    const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH, int64_t hd, double eps) {
+  at::Tensor h;
+  if (s.mlp.has_value()) {
+    std::tie(s.x, h) = add_norm(s.x, *s.mlp, w[0], eps);
+    s.mlp.reset();
+  } else {
+    h = norm(s.x, w[0], eps);
+  }
+  const at::Tensor& x = s.x;
   int64_t T = x.size(0);
-  at::Tensor h = norm(x, w[0], eps);
   at::Tensor qkv = linear(h, kinds[0], w[2], w[3], bqkv).view({T, H + 2 * KVH, hd});
   at::Tensor qk = qkv.slice(1, 0, H + KVH);
   // rope.rotate_store: its kernel where rope.runs_on takes these inputs, else the same operations
@@ -126,30 +171,28 @@ at::Tensor attn_in(const at::Tensor& x, const std::vector<at::Tensor>& w, const 
   return qk.slice(1, 0, H).transpose(0, 1).to(kv.scalar_type());
 }
 
-// attention output o [H, T, hd] -> the layer's output [T, hidden]
-at::Tensor attn_out(const at::Tensor& x, const at::Tensor& o_heads, const std::vector<at::Tensor>& w,
-                    const std::vector<int64_t>& kinds, const std::optional<at::Tensor>& bo, double eps) {
-  int64_t T = x.size(0);
-  at::Tensor o = o_heads.transpose(0, 1).to(x.scalar_type()).reshape({T, -1});
+// attention output o [H, T, hd] -> s holds the layer's output [T, hidden] (its MLP residual pending)
+void attn_out(Stream& s, const at::Tensor& o_heads, const std::vector<at::Tensor>& w,
+              const std::vector<int64_t>& kinds, const std::optional<at::Tensor>& bo, double eps) {
+  int64_t T = s.x.size(0);
+  at::Tensor o = o_heads.transpose(0, 1).to(s.x.scalar_type()).reshape({T, -1});
   o = linear(o, kinds[1], w[4], w[5], bo);
-  at::Tensor y = x + o;
-  at::Tensor h = norm(y, w[1], eps);
-  auto gu = linear(h, kinds[2], w[6], w[7], std::nullopt).chunk(2, -1);
-  h = linear(at::silu(gu[0]) * gu[1], kinds[3], w[8], w[9], std::nullopt);
-  return y + h;
+  auto [y, h] = add_norm(s.x, o, w[1], eps);
+  s.x = y;
+  s.mlp = linear(silu_mul(linear(h, kinds[2], w[6], w[7], std::nullopt)), kinds[3], w[8], w[9], std::nullopt);
 }
 
 // the whole step with the fused attention kernel (core.layer_step with canon=None)
-at::Tensor step(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
+void step(Stream& s, const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds,
                 const std::optional<at::Tensor>& bqkv, const std::optional<at::Tensor>& bo, at::Tensor kv,
                 const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
                 int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
-  at::Tensor qh = attn_in(x, w, kinds, bqkv, kv, slots, cos, sin, H, KVH, hd, eps);
+  at::Tensor qh = attn_in(s, w, kinds, bqkv, kv, slots, cos, sin, H, KVH, hd, eps);
   int64_t L = mask.size(-1);
   at::Tensor o = at::scaled_dot_product_attention(
       qh.unsqueeze(0), kv.slice(0, 0, KVH).slice(1, 0, L).unsqueeze(0), kv.slice(0, KVH).slice(1, 0, L).unsqueeze(0),
       mask.unsqueeze(0).unsqueeze(0), 0.0, false, scale, H != KVH).select(0, 0);
-  return attn_out(x, o, w, kinds, bo, eps);
+  attn_out(s, o, w, kinds, bo, eps);
 }
 
 // every layer of a pass in one call (the fused attention kernel): layers[i] uses masks[mask_of[i]]
@@ -159,10 +202,11 @@ at::Tensor layers(at::Tensor x, const std::vector<std::vector<at::Tensor>>& ws,
                   const at::Tensor& slots, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                   const std::vector<at::Tensor>& masks, const std::vector<int64_t>& table_of,
                   const std::vector<int64_t>& mask_of, int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
+  Stream s{x};
   for (size_t i = 0; i < ws.size(); ++i)
-    x = step(x, ws[i], kinds[i], bqkv[i], bo[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]],
-             masks[mask_of[i]], H, KVH, hd, eps, scale);
-  return x;
+    step(s, ws[i], kinds[i], bqkv[i], bo[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]], masks[mask_of[i]], H,
+         KVH, hd, eps, scale);
+  return s.sum();
 }
 
 // canonical.attention's operations: q [H, T, D], caches [KVH, S, D], bias [G*T, L]; kernel: attend.py's
@@ -224,13 +268,14 @@ at::Tensor layers_canonical(at::Tensor x, const std::vector<std::vector<at::Tens
                             const std::optional<at::Tensor>& tail_past, const at::Tensor& flat, bool kernel,
                             int64_t H, int64_t KVH, int64_t hd, double eps, double scale) {
   Canon c{kernel, order, tail_past, tail_cols, flat, cuts, rows};
+  Stream s{x};
   for (size_t i = 0; i < ws.size(); ++i) {
-    at::Tensor qh = attn_in(x, ws[i], kinds[i], bqkv[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]],
+    at::Tensor qh = attn_in(s, ws[i], kinds[i], bqkv[i], kv[i], slots, cos[table_of[i]], sin[table_of[i]],
                             H, KVH, hd, eps);
     at::Tensor o = canon_attention(qh, kv[i].slice(0, 0, KVH), kv[i].slice(0, KVH), biases[mask_of[i]], scale, c);
-    x = attn_out(x, o, ws[i], kinds[i], bo[i], eps);
+    attn_out(s, o, ws[i], kinds[i], bo[i], eps);
   }
-  return x;
+  return s.sum();
 }
 
 }  // namespace
@@ -240,6 +285,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layers_canonical", &layers_canonical);
   m.def("use_norm_kernel", &use_norm_kernel);
   m.def("use_rope_kernel", &use_rope_kernel);
+  m.def("use_glu_kernel", &use_glu_kernel);
 }
 """
 
@@ -269,6 +315,7 @@ def _build():
         mod = load_inline("verispec_native_step", cpp_sources=_SOURCE, extra_cflags=["-O2"], verbose=False)
         mod.use_norm_kernel(norm.available() is None)  # as core.rms_norm decides (norm.runs_on)
         mod.use_rope_kernel(rope.available() is None)  # as rope.rotate_store decides (rope.runs_on)
+        mod.use_glu_kernel(glu.available() is None)  # as glu.gated decides (glu.runs_on)
         return mod, "native"
     except Exception as exc:  # no compiler, no headers, a failed build: the Python step runs
         why = f"native step unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120] if str(exc).strip() else ''})"
@@ -300,8 +347,7 @@ def kind_of(linear, w) -> tuple[int, torch.Tensor, torch.Tensor] | None:
 def layer_args(arch, linear, lw: dict) -> tuple | None:
     """One layer's weights as the C++ takes them: (weights, kinds, bqkv, bo), or None where the step is
     not the Llama-family one or a projection kind is unknown (the Python step runs then)."""
-    silu = arch.act is F.silu or type(getattr(arch.act, "__self__", None)).__name__ in ("SiLUActivation", "SiLU")
-    if arch.qk_norm or arch.sandwich or arch.gemma_norm or not silu:
+    if arch.qk_norm or arch.sandwich or arch.gemma_norm or not glu.is_silu(arch.act):
         return None
     kinds, w = [], [lw["ln_attn"], lw["ln_mlp"]]
     for key in ("wqkv", "wo", "wgu", "wdown"):

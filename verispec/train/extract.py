@@ -15,6 +15,7 @@ docs/performance-notes.md).
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -106,15 +107,16 @@ def _hf_rows(target, chunk: list[list[int]], layers: list[int], topk: int):
 
 
 class FeatureSet:
-    """All shards in memory, with per-sequence offsets."""
+    """Every shard's tokens, labels and offsets in memory; the features (the bulk: thousands of bytes a
+    position) stay in their shard files, memory-mapped, so a data set larger than the machine's memory
+    trains from the page cache."""
 
     def __init__(self, paths: list[Path], loop_ngram: int = 0):
-        parts = [torch.load(p) for p in paths]
+        parts = [torch.load(p, mmap=True) for p in paths]
         if not parts:
             raise ValueError("no feature shards to train on")
         self.layers = parts[0]["layers"]
         self.tokens = torch.cat([p["tokens"] for p in parts]).long()
-        self.feats = torch.cat([p["feats"] for p in parts])
         self.topk_ids = torch.cat([p["topk_ids"] for p in parts]).long()
         self.topk_p = torch.cat([p["topk_p"] for p in parts]).float()
         self.lengths = torch.cat([p["lengths"] for p in parts]).tolist()
@@ -122,11 +124,20 @@ class FeatureSet:
         self.offsets = [0]
         for n in self.lengths:
             self.offsets.append(self.offsets[-1] + n)
+        self._shards = [p["feats"] for p in parts]
+        self._where = [(s, o) for s, p in enumerate(parts)  # sequence -> (its shard, its first row there)
+                       for o in itertools.accumulate([0] + p["lengths"].tolist()[:-1])]
+        self.feature_width, self.feature_dtype = self._shards[0].shape[1], self._shards[0].dtype
         # where each sequence's labels end: its length, or where the answer starts repeating itself
         self.ends = list(self.lengths)
         if loop_ngram:
             for i, (n, pl, o) in enumerate(zip(self.lengths, self.prompt_lengths, self.offsets)):
                 self.ends[i] = pl + loop_free_length(self.tokens[o + pl: o + n].tolist(), loop_ngram)
+
+    def feats_of(self, i: int, n: int | None = None) -> torch.Tensor:
+        """Sequence i's first n (default all) feature rows [n, F], as stored (bfloat16)."""
+        s, o = self._where[i]
+        return self._shards[s][o:o + (self.lengths[i] if n is None else n)]
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -160,7 +171,7 @@ class FeatureSet:
         S = max(hi for _, hi in spans)
         Q = max(1, min(seq_len, max(hi - 1 - lo for lo, hi in spans)))
         tok = torch.zeros(B, S, dtype=torch.long)
-        fe = torch.zeros(B, S, self.feats.shape[1], dtype=self.feats.dtype)
+        fe = torch.zeros(B, S, self.feature_width, dtype=self.feature_dtype)
         ids = torch.zeros(B, S, k, dtype=torch.long)
         ps = torch.zeros(B, S, k)
         lm = torch.zeros(B, S, dtype=torch.bool)
@@ -169,7 +180,7 @@ class FeatureSet:
         for r, (i, (lo, hi)) in enumerate(zip(idx, spans)):
             n, pl, o = self.ends[i], self.prompt_lengths[i], self.offsets[i]
             sl = slice(o, o + hi)
-            tok[r, :hi], fe[r, :hi], ids[r, :hi], ps[r, :hi] = self.tokens[sl], self.feats[sl], self.topk_ids[sl], self.topk_p[sl]
+            tok[r, :hi], fe[r, :hi], ids[r, :hi], ps[r, :hi] = self.tokens[sl], self.feats_of(i, hi), self.topk_ids[sl], self.topk_p[sl]
             pos = torch.arange(hi)
             lm[r, :hi] = (pos + 1 >= pl) & (pos + 1 < n)
             a = lo + torch.arange(Q)
