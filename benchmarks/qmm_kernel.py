@@ -1,9 +1,12 @@
 """qmm.py's kernel against its source at another git revision, in one process: that revision's C++ is built
 under a renamed operator, both are checked bit for bit on a sweep (4- and 8-bit weights, 1-21 rows,
 float32 and bfloat16 activations), then timed interleaved at the target's projection shapes for a range of
-rows (us per call, median of rounds).
+rows (us per call, median of rounds). A shape timed call after call stays in the caches; `--stream` also
+times one pass over a whole forward's weights (SmolLM2-135M's 30 layers of 4-bit projections and its 8-bit
+LM head, ~95 MB, so every weight comes from memory as in a real forward), rounds alternating the order.
 
     python benchmarks/qmm_kernel.py --against d4883a3 --threads 1 --json results/cpu/qmm_kernel_16ch_avx2_zen3.json
+    python benchmarks/qmm_kernel.py --against e0ef810 --threads 1 --shapes --stream --rows 1 2 4 8
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ def _sweep(new, old) -> int:
 def main() -> None:
     ap = options(__doc__, threads=1, json=None)
     ap.add_argument("--against", required=True, help="a git revision whose qmm.py to compare with")
-    ap.add_argument("--shapes", nargs="+", default=["4:1536x576", "4:576x1536", "8:49152x576"],
+    ap.add_argument("--shapes", nargs="*", default=["4:1536x576", "4:576x1536", "8:49152x576"],
                     help="bits:NxK (default: SmolLM2-135M's gate/up and down projections and its 8-bit LM head)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 3, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--stream", action="store_true", help="also time a forward's whole weight stream per row count")
     args = parse(ap)
     from verispec.fast import ops, qmm
 
@@ -77,10 +81,32 @@ def main() -> None:
                          "after_over_before": us["after"] / us["before"]})
             print(f"{bits}-bit {n:6d} x {k:5d}, {m:2d} rows: {us['before']:8.1f} -> {us['after']:8.1f} us "
                   f"({us['after'] / us['before']:.3f}x)")
+    stream = _stream(old, new, args.rows, args.rounds, g) if args.stream else []
     if args.json:
         from verispec.bench.environment import environment
 
-        write_json({"environment": environment(), "against": args.against, "bit_equal_cases": cases, "rows": rows}, args.json)
+        write_json({"environment": environment(), "against": args.against, "bit_equal_cases": cases, "rows": rows,
+                    "stream": stream}, args.json)
+
+
+def _stream(old, new, row_counts: list[int], rounds: int, g: torch.Generator) -> list[dict]:
+    """ms per pass over SmolLM2-135M's weights (per layer q/k/v, o, gate/up, down; then the LM head)."""
+    layer = [(4, 960, 576), (4, 576, 576), (4, 3072, 576), (4, 576, 1536)]
+    seq = [_weights(n, k, bits, g) for _ in range(30) for bits, n, k in layer] + [_weights(49152, 576, 8, g)]
+    out = []
+    for m in row_counts:
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in (576, 1536)}
+        seen = {"before": [], "after": []}
+        for r in range(2 * rounds):
+            for name, f in (("before", old), ("after", new)) if r % 2 else (("after", new), ("before", old)):
+                t = time.perf_counter()
+                for w in seq:
+                    f(xs[w.w.shape[1] * 32], w.w, w.sc)
+                seen[name].append((time.perf_counter() - t) * 1e3)
+        ms = {key: statistics.median(v) for key, v in seen.items()}
+        out.append({"rows": m, "ms_before": ms["before"], "ms_after": ms["after"], "after_over_before": ms["after"] / ms["before"]})
+        print(f"a forward's weights, {m:2d} rows: {ms['before']:7.2f} -> {ms['after']:7.2f} ms ({ms['after'] / ms['before']:.3f}x)")
+    return out
 
 
 if __name__ == "__main__":

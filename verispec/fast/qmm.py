@@ -192,6 +192,12 @@ void rows(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const 
 // slice of the 64-byte lines.
 constexpr int64_t MB2 = 4;
 
+// How far ahead (bytes) rows2 asks for the weight stream. A projection's weights are a few hundred KB, read
+// once per pass, straight from memory; the hardware prefetcher alone ramps up too late on such short streams
+// (a forward's qmm calls ran well below the copy bandwidth at one row). 2 KB is 8 4-bit groups or 4 8-bit
+// ones: enough lines in flight to cover the memory latency at that bandwidth; docs/fast-native.md has the sweep.
+constexpr int64_t PREFETCH = 2048;
+
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const at::BFloat16* p) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -276,6 +282,9 @@ void rows2(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const
   for (int64_t g = 0; g < G; ++g) {
     const int64_t at = nb * G + g;
     const uint8_t* wg = W + at * LINES * 64;
+    // the lines of the group PREFETCH bytes ahead (the next blocks' groups follow this one's in memory; a
+    // prefetch past the end of the weight is dropped by the CPU, it does not fault)
+    for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + PREFETCH + 64 * l), _MM_HINT_T0);
     const int32_t* xq[R];
     for (int i = 0; i < R; ++i) xq[i] = reinterpret_cast<const int32_t*>(act.x8 + (m0 + i) * K + g * GROUP);
     __m256i a[R][2];
