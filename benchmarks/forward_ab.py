@@ -1,5 +1,5 @@
 """One forward of two checkouts side by side: the fast path's exact-mode forward over n new positions after
-a 200-token context, each tree in its own worker process, alternated round by round.
+a context (200 tokens unless --context), each tree in its own worker process, alternated round by round.
 
 For a change to the forward (a kernel, a fused operation) whose effect is a few percent: end-to-end
 generations (compare_checkouts.py) carry prefill, drafting and the engine, and a shared VM's speed drifts
@@ -32,11 +32,12 @@ from verispec.backends.fast import FastRunner
 from verispec.models import load_model
 target = load_model(sys.argv[1], dtype=sys.argv[2])
 ids = target.encode(prompt="The history of the printing press begins in the fifteenth century, when")
-ctx = (ids * 200)[:200]
+C = int(sys.argv[5])
+ctx = (ids * C)[:C]
 r = FastRunner(target.model, exact=True, weights=sys.argv[4], weight_source=target.weight_source, native=True)
 r.forward(ctx, last_only=True)
 for _ in range(10):
-    r.forward(ctx[:1]); r.rollback(200)
+    r.forward(ctx[:1]); r.rollback(C)
 print(json.dumps({"ready": True, "weight_bytes": r.net.streamed_bytes()}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -44,7 +45,7 @@ for line in sys.stdin:
     for _ in range(req["repeat"]):
         t0 = time.perf_counter()
         r.forward(ctx[:n])
-        r.rollback(200)
+        r.rollback(C)
         ts.append(time.perf_counter() - t0)
     print(json.dumps({"seconds": statistics.median(ts)}), flush=True)
 """
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--weights", default="q4", help="the fast path's weights format (bf16, q8, q4)")
     ap.add_argument("--positions", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--context", type=int, default=200, help="cached tokens before the timed positions")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--repeat", type=int, default=30, help="forwards per tree, position count and round (median)")
     ap.add_argument("--workers", type=int, default=3,
@@ -74,7 +76,7 @@ def main() -> None:
         for name, tree in (trees.items() if i % 2 == 0 else reversed(trees.items())):
             if imported_from(tree) != Path(tree).resolve() / "verispec":
                 raise SystemExit(f"a worker for {tree} imports verispec from {imported_from(tree)}")
-            w = launch(tree, WORKER, [args.model, args.dtype, str(args.threads), args.weights], args.threads,
+            w = launch(tree, WORKER, [args.model, args.dtype, str(args.threads), args.weights, str(args.context)], args.threads,
                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             line = w.stdout.readline()
             if not line:
@@ -109,7 +111,7 @@ def main() -> None:
 
         out = {"command": "python benchmarks/forward_ab.py " + " ".join(sys.argv[1:]), "environment": environment(),
                "trees": {k: {"path": v, "commit": tree_commit(v)} for k, v in trees.items()},
-               "weight_bytes": {k: r["weight_bytes"] for k, r in ready.items()}, "model": args.model,
+               "weight_bytes": {k: r["weight_bytes"] for k, r in ready.items()}, "context": args.context, "model": args.model,
                "dtype": args.dtype, "weights": args.weights, "threads": args.threads, "workers": args.workers, "rounds": args.rounds,
                "repeat": args.repeat, "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
