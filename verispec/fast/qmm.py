@@ -35,7 +35,8 @@ registers, each weight group expanded once for those rows. At 8 rows the integer
 ports with the float part of each group (convert, scale, two FMAs per row), so that part is kept minimal
 (dx * S is computed once per row and group, not per block). An AMX tile version was tried: its products
 are exact integers too (same bits), but one tile product per group of 32 and its store cost more than the
-VNNI instructions below 16 rows, so it is not kept.
+VNNI instructions below 16 rows, so it is not kept. The AVX2 rows ask for the weight stream a few groups
+ahead (software prefetch): a projection's weights are too short a stream for the hardware prefetcher.
 
 Built on first use with torch.utils.cpp_extension (registered as torch.ops.verispec.qmm so that the
 native layer step can call it too), one build holding both instruction sets, chosen per process by the CPU;
