@@ -149,7 +149,7 @@ class BlockDrafterModel(PackedLinears, nn.Module):
             K = torch.cat([ctx[i][0].to(k.dtype), k], dim=-2)
             V = torch.cat([ctx[i][1].to(v.dtype), v], dim=-2)
             rep = self.n_heads // self.n_kv
-            attn = F.scaled_dot_product_attention(q, K.repeat_interleave(rep, -3), V.repeat_interleave(rep, -3),
+            attn = F.scaled_dot_product_attention(q, K, V, enable_gqa=rep > 1,
                                                   attn_mask=mask)
             x = x + self.lin(f"layers.{i}.o", attn.transpose(-3, -2).flatten(-2))
             gate, up = self.lins((f"layers.{i}.gate", f"layers.{i}.up"), layer.ln2(x))
