@@ -21,7 +21,17 @@ class StepEvent:
 
 class _TextTracker:
     """Incremental detokenization with stop strings: holds back text that may still become a stop
-    string or an incomplete UTF-8 character."""
+    string or an incomplete UTF-8 character.
+
+    The text is decode(all ids), but decoding them all at every step costs time in the output's length
+    (the tokenizer's call and its Python-side checks: a long answer's steps got slower and slower). So
+    the text of the ids before `cut` is kept, and a step decodes only the ids after it: the cut moves
+    forward, WINDOW ids behind the end, where decoding the two sides apart gives the same text as
+    decoding them together (checked when it moves: an incomplete UTF-8 character or a tokenizer that
+    joins pieces with spaces or strips a leading one leaves it where it is, and then a step decodes
+    everything after the old cut, as before)."""
+
+    WINDOW = 32
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
         self.decode, self.stop = decode, stop
@@ -29,9 +39,21 @@ class _TextTracker:
         self.emitted = ""
         self.text = ""
         self.stopped = False
+        self.cut, self.head = 0, ""  # ids[:cut] decode to head
+        self.next_try = 2 * self.WINDOW  # where moving the cut is tried next
+
+    def _decode(self, ids: list[int]) -> str:
+        tail = self.decode(ids[self.cut:])
+        if len(ids) >= self.next_try:
+            self.next_try = len(ids) + self.WINDOW
+            at = len(ids) - self.WINDOW
+            head = self.decode(ids[self.cut:at])
+            if not head.endswith("\ufffd") and tail.startswith(head) and tail[len(head):] == self.decode(ids[at:]):
+                self.cut, self.head, tail = at, self.head + head, tail[len(head):]
+        return self.head + tail
 
     def update(self, ids: list[int], final: bool) -> str:
-        text = self.decode(ids)
+        text = self._decode(ids)
         if self.stop:
             cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
             if cut >= 0:
