@@ -136,6 +136,9 @@ def test_choose_budget_follows_the_cost_curve():
     choice = choose_budget([0.3], gentle, (0, 1, 3), draft_cost=lambda b: 0.2)
     assert choice.budget == 0 and choice.table[0] == (0, 1.0, 1.0, 1.0)  # 1.3 in 1.4 do not
     assert choose_budget([0.9], gentle, (0, 1, 3), draft_cost=lambda b: 0.2).budget >= 1
+    # a plain step's own costs beyond its forward count too: 1.3 tokens in 1.4 beat 1 in 1.2
+    choice = choose_budget([0.3], gentle, (0, 1, 3), draft_cost=lambda b: 0.2, plain_cost=0.2)
+    assert choice.budget == 1 and choice.table[0] == (0, 1.0, 1.2, 1.0 / 1.2)
 
 
 def test_rank_acceptance_and_stats_by_rank():

@@ -33,14 +33,18 @@ from verispec.errors import InvalidParameter, InvalidPrompt
 from verispec.metrics import SpecStats
 from verispec.output import Output, StepEvent
 from verispec.sampling import make_generator
-from verispec.tree import (DynamicTree, RankAcceptance, StaticTree, TreeLayout, TreeShape, choose_budget,
+from verispec.theory import CostCurve
+from verispec.tree import (DynamicTree, RankAcceptance, StaticTree, StepCosts, TreeLayout, TreeShape, choose_budget,
                            measure_verify_cost, parse_tree)
 from verispec.types import Proposal, SamplingParams
 
 # the auto budget's choices: a plain step (0: not drafting is expected to pay more) or a tree of so many nodes
 AUTO_BUDGETS = (0, 1, 3, 7, 15, 31, 63)
-EXPLORE, EXPLORE_MAX = 8, 64  # plain steps in a row after which the auto budget drafts one node (to keep
-#                               measuring the acceptance), doubling while that does not pay
+EXPLORE, EXPLORE_MAX = 8, 64  # steps of one kind (plain or drafted) in a row after which the auto budget tries
+#                               the other (to keep measuring the acceptance and both kinds' costs), doubling
+#                               while the other keeps not paying
+EXPLORE_RUN = 2  # drafted steps in a row when it tries drafting: the first catches a feature drafter up with
+#                  the plain steps' positions, the second is a steady step whose cost StepCosts can count
 
 
 @dataclass
@@ -118,10 +122,14 @@ class Engine:
         # learned across generations
         self.verify_cost = verify_cost
         self.rank_acceptance = RankAcceptance()
-        self.draft_seconds = 0.0  # a dynamic tree's proposal, measured (auto budget)
-        self._plain_steps = 0     # plain steps in a row that the auto budget chose
-        self._explore = EXPLORE   # ... after which it drafts one node
-        self._choice: tuple[tuple, int] | None = None  # (choose_budget's inputs, its budget): the last choice
+        self.step_costs = StepCosts()  # what a step costs beyond its forward, measured (auto budget)
+        self._curve: tuple[int, CostCurve] | None = None  # verify_cost as a CostCurve (keyed by its id)
+        self._drafting = False    # the kind of step the auto budget chose last (True: a tree)
+        self._streak = 0          # steps of that kind in a row
+        self._explore = EXPLORE   # ... after which it tries the other kind
+        self._forced = 0          # drafted steps of such a try still to come
+        self._budget: int | None = None       # the auto budget of the step in progress (None: not chosen)
+        self._last_budget: int | None = None  # ... of the step before it in this generation
         self.runner, self.eos_ids, self.decode = runner, set(eos_ids), decode
         self.context_length = context_length
         self.drafter = drafter
@@ -157,28 +165,52 @@ class Engine:
             return tree.truncated(max_depth) if tree.depth > max_depth else tree
         budget = tree.budget
         if budget is None:
-            # the choice changes only with its inputs, and a plain step changes none of them (no acceptance
-            # to count, no proposal to time): between drafted steps it is not computed again (it is pure
-            # Python over every candidate budget's optimal tree; its cost: docs/performance-notes.md)
-            profile = tuple(self.rank_acceptance.profile())
-            key = (profile, self.draft_seconds, tree.depth, id(self.verify_cost))
-            if self._choice is None or self._choice[0] != key:
-                self._choice = (key, choose_budget(profile, self.verify_cost, AUTO_BUDGETS,
-                                                   draft_cost=self.draft_seconds, max_depth=tree.depth).budget)
-            budget = self._choice[1]
-            # a plain step teaches the acceptance estimate nothing: after EXPLORE plain steps in a row one node is
-            # drafted anyway, then after twice as many (up to EXPLORE_MAX) while drafting keeps not paying
-            if budget:
-                self._plain_steps, self._explore = 0, EXPLORE
+            if self._forced:
+                budget, self._forced = 1, self._forced - 1
             else:
-                self._plain_steps += 1
-                if self._plain_steps >= self._explore:
-                    budget, self._plain_steps, self._explore = 1, 0, min(2 * self._explore, EXPLORE_MAX)
+                costs = self.step_costs
+                budget = choose_budget(self.rank_acceptance.profile(), self.cost_curve(), AUTO_BUDGETS,
+                                       draft_cost=costs.drafting, max_depth=tree.depth, plain_cost=costs.plain()).budget
+                # a plain step teaches the acceptance estimate nothing, and a kind of step not taken keeps its
+                # old measured cost: after EXPLORE steps of one kind in a row the other is tried (a run of
+                # EXPLORE_RUN one-node steps, or one plain step), then after twice as many (up to
+                # EXPLORE_MAX) while the choice stays
+                if (budget > 0) != self._drafting:
+                    self._drafting, self._streak, self._explore = budget > 0, 0, EXPLORE
+                self._streak += 1
+                if self._streak >= self._explore:
+                    self._streak, self._explore = 0, min(2 * self._explore, EXPLORE_MAX)
+                    budget, self._forced = (0, 0) if self._drafting else (1, EXPLORE_RUN - 1)
+            self._budget = budget
             if budget == 0:
                 return None
         if max_nodes is not None:
             budget = min(budget, max_nodes)
         return DynamicTree(budget=budget, topk=tree.topk, depth=min(tree.depth, max_depth))
+
+    def cost_curve(self) -> CostCurve:
+        """verify_cost (positions -> seconds of a forward) as a CostCurve, built once per cost dict."""
+        if self._curve is None or self._curve[0] != id(self.verify_cost):
+            cost = self.verify_cost
+            self._curve = (id(cost), CostCurve(list(cost), list(cost.values())))
+        return self._curve[1]
+
+    def new_steps(self) -> None:
+        """A generation begins: no step of it before the next (the auto budget's step costs stay)."""
+        self._budget = self._last_budget = None
+
+    def observe_step(self, positions: int, seconds: float) -> None:
+        """A single sequence's whole step took `seconds` and verified `positions`: what it cost beyond its
+        forward on the cost curve goes to StepCosts under the auto budget it ran, for steady steps only: not
+        a generation's first, nor a drafted step right after a plain one (StepCosts says why). A batch's
+        steps are not observed: their forward is shared, and the batch's share of positions bounds each
+        sequence's tree."""
+        budget, self._budget = self._budget, None
+        if budget is not None and self._last_budget is not None and (budget == 0 or self._last_budget > 0):
+            # may be below 0 (a curve measured while the machine was busier, or given for another one): the
+            # curve plus it is then still the step's measured time
+            self.step_costs.observe(budget, seconds - self.cost_curve().seconds(positions))
+        self._last_budget = budget
 
     def prefill(self, ids: list[int], should_stop: Callable[[], bool] | None = None):
         """Feed `ids` into the target's cache -> (stopped, the features of every position or None).
@@ -206,11 +238,7 @@ class Engine:
             shape = self.tree_shape(room - 1, max_nodes)
             if shape is None:
                 return None  # the auto budget: drafting is not expected to pay for itself this step
-            t0 = time.perf_counter()
             proposal = self.drafter.propose_tree(context, shape)
-            if isinstance(self.tree, DynamicTree) and self.tree.budget is None:  # a proposal's cost, a running mean
-                took = time.perf_counter() - t0
-                self.draft_seconds = took if self.draft_seconds == 0 else 0.8 * self.draft_seconds + 0.2 * took
         else:
             proposal = self.drafter.propose(context, k)
         if proposal is not None and len(proposal) == 0 and (proposal.aux_tokens is None or not len(proposal.aux_tokens)):
@@ -230,8 +258,11 @@ class Engine:
             if should_stop is not None and should_stop():
                 run.cancel()
                 break
+            t0 = time.perf_counter()
             call = run.plan()
-            yield run.finish(self.runner.forward(call.ids, tree=call.tree, features=call.features))
+            event = run.finish(self.runner.forward(call.ids, tree=call.tree, features=call.features))
+            self.observe_step(len(call.ids), time.perf_counter() - t0)
+            yield event
         self.last = run.result()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -278,6 +309,7 @@ class Decoding:
         if isinstance(engine.tree, DynamicTree) and engine.tree.budget is None and engine.verify_cost is None:
             engine.verify_cost = measure_verify_cost(engine.runner)  # once per engine, before the prefill
         engine.runner.reset(self.params)
+        engine.new_steps()
         stopped, features = engine.prefill(out.context[:-1], should_stop) if len(out.context) > 1 else (False, None)
         self.stats.prefill_time = time.perf_counter() - self.t_start
         if stopped:

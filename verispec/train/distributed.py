@@ -13,6 +13,7 @@ the global batch's mean gradient: the steps are those of one process up to float
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 
 import torch
@@ -98,5 +99,9 @@ def wrap(module: torch.nn.Module, loss_fn) -> torch.nn.Module:
     if not active():
         return step
     dev = next(module.parameters()).device
-    return torch.nn.parallel.DistributedDataParallel(step, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                                     broadcast_buffers=False)
+    # the buffers (the draft vocabulary's map, rotary frequencies) are the same on every rank: no sync at each
+    # forward (torch 2.13 renamed the option and warns at the old name)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+               else {"broadcast_buffers": False})
+    return ddp(step, device_ids=[dev.index] if dev.type == "cuda" else None, **no_sync)
