@@ -193,11 +193,18 @@ def test_refusals(tiny, tmp_path):
 
 
 @pytest.mark.real_model
-def test_cli_export_refuses_in_one_line(tmp_path):
-    """The shipped SmolLM2 head has verispec's layout: the CLI says so in one line, exit 2."""
+def test_cli_exports_the_shipped_head_and_refuses_in_one_line(smollm2, tmp_path):
+    """The shipped SmolLM2 head has EAGLE-3's layout: `verispec export` writes its speculators form; a head
+    in verispec's own layout is refused in one line that says what to change, exit 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "verispec", "export", "--to", "speculators", "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "o" / "config.json").read_text()) and (tmp_path / "o" / "model.safetensors").is_file()
+    own = EagleHead(EagleHead.make_config(smollm2, 64, layout="verispec"))
+    save_head(tmp_path / "own", dict(own.config), own.state_dict())
+    r = subprocess.run([sys.executable, "-m", "verispec", "export", "--to", "speculators", "--head", str(tmp_path / "own"),
+                        "--out", str(tmp_path / "o2")], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip() and "Loading weights" not in l and "Warning" not in l]
     assert "Traceback" not in r.stderr and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
