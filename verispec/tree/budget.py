@@ -78,9 +78,9 @@ class StepCosts:
     A running mean below 0 says the cost curve overstates this machine's forwards now; the curve plus it is
     still the measured step.
 
-    Only steady steps count: a drafted step that follows a plain one (or the prefill) also catches the
-    drafter up with every position since it last drafted, a cost of switching that a run of drafted steps
-    does not pay at each step."""
+    Only steady steps count (Engine.observe_step decides): not a generation's first step, and not a drafted
+    step that follows a plain one, which also catches the drafter up with every position since it last
+    drafted, a cost of switching that a run of drafted steps does not pay at each step."""
 
     weight: float = 0.2  # of the newest step in the running means
     means: dict[int, float] = field(default_factory=dict)  # budget (0: a plain step) -> seconds beyond its forward
