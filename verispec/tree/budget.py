@@ -28,8 +28,8 @@ class BudgetChoice:
 @lru_cache(maxsize=512)
 def tree_tokens(rank_accept: tuple[float, ...], budget: int, max_depth: int) -> float:
     """Expected tokens a step commits with the best `budget`-node tree: 1 + its expected accepted drafts.
-    Cached: the profile changes only on drafted steps, and building the trees is pure Python (~0.5 ms
-    for the default budgets, a few percent of a step)."""
+    Cached: the profile changes only on drafted steps, and building the trees is pure Python (its cost:
+    docs/performance-notes.md)."""
     return 1.0 + expected_accepted(rank_accept, optimal_paths(rank_accept, budget, max_depth))
 
 
@@ -112,7 +112,7 @@ def measure_verify_cost(runner, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
     ids = [(7 * i + 3) % vocab for i in range(context + max(sizes))]
     runner.reset()
     runner.forward(ids[:context], last_only=True)
-    for n in sizes:  # warm-up: a first pass of each size runs slower (buffers, page faults), ~1.2x at one position
+    for n in sizes:  # warm-up: a first pass of each size runs slower (buffers, page faults; docs/trees.md)
         runner.forward(ids[context: context + n])
         runner.rollback(context)
     out = {}
