@@ -28,6 +28,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>  // the bfloat16 <-> float conversions' specialisations (vec.h only declares them)
 #include <cmath>
 
 namespace {
