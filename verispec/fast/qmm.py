@@ -120,6 +120,12 @@ void quantize(const In* x, int64_t M, int64_t K, const Act& act) {
   }
 }
 
+// How far ahead (bytes) the kernels' rows ask for the weight stream. A projection's weights are a few hundred KB, read
+// once per pass, straight from memory; the hardware prefetcher alone ramps up too late on such short streams
+// (a forward's qmm calls ran well below the copy bandwidth at one row). 2 KB is 8 4-bit groups or 4 8-bit
+// ones: enough lines in flight to cover the memory latency at that bandwidth; docs/fast-native.md has the sweep.
+constexpr int64_t PREFETCH = 2048;
+
 // The float part of one group for row i (a: its exact integer sum I over the group, 16 channels).
 template <bool I4>
 __attribute__((target("avx512f,avx512bw,f16c"), always_inline)) inline
@@ -149,6 +155,10 @@ void rows(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const 
   for (int64_t g = 0; g < G; ++g) {
     const int64_t at = nb * G + g;
     const uint8_t* wg = W + at * LINES * 64;
+    // Zen 4's own prefetcher keeps up with the stream at a few rows (asking as well only costs there); at 8
+    // rows the products slow the loads enough that it falls behind (docs/fast-native.md)
+    if constexpr (R >= 8)
+      for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + PREFETCH + 64 * l), _MM_HINT_T0);
     __m512i wv[8];
     __m512 dv = _mm512_setzero_ps(), cv = _mm512_setzero_ps();
     if (I4) {
@@ -193,11 +203,6 @@ void rows(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const 
 // slice of the 64-byte lines.
 constexpr int64_t MB2 = 4;
 
-// How far ahead (bytes) rows2 asks for the weight stream. A projection's weights are a few hundred KB, read
-// once per pass, straight from memory; the hardware prefetcher alone ramps up too late on such short streams
-// (a forward's qmm calls ran well below the copy bandwidth at one row). 2 KB is 8 4-bit groups or 4 8-bit
-// ones: enough lines in flight to cover the memory latency at that bandwidth; docs/fast-native.md has the sweep.
-constexpr int64_t PREFETCH = 2048;
 
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const at::BFloat16* p) {
