@@ -112,3 +112,12 @@ def test_train_command_under_torchrun_shards_the_data(tmp_path):
             assert r.stdout.count("eagle head:") == 1  # rank 0 reports
             assert json.loads((work / "eagle-head" / "config.json").read_text())["layout"] == "eagle3"
     assert results[2] == results[1]
+    # a wider MLP (the capacity knob) trains on the same answers and features, from a training state of its own
+    r = subprocess.run([sys.executable, *args, "--work", str(tmp_path / "work1"), "--head-intermediate", "40",
+                        "--out", str(tmp_path / "wide")], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "wide" / "config.json").read_text())["intermediate_size"] == 40
+    assert (tmp_path / "work1" / "eagle-eagle3-mlp40" / "trainer.pt").is_file()
+    from verispec.drafters.eagle import load_eagle_head
+
+    assert load_eagle_head(target, tmp_path / "wide").down.weight.shape == (target.model.config.hidden_size, 40)

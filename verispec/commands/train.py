@@ -48,6 +48,7 @@ def _command(kind: str):
         layout: str = typer.Option("verispec", "--layout", help="EAGLE: verispec (own layer) or eagle3 (EAGLE-3's layer; verispec export writes it for vLLM / SGLang)."),
         block_size: int = typer.Option(8, "--block-size", help="dflash: block length (the pending token + block-size - 1 drafted tokens)."),
         dflash_layers: int = typer.Option(2, "--dflash-layers", help="dflash: drafter layers."),
+        head_intermediate: Optional[int] = typer.Option(None, "--head-intermediate", help="EAGLE: the head's MLP width (default: the target's intermediate size)."),
         block_anchors: int = typer.Option(32, "--block-anchors", help="dflash: blocks per sequence and step (random anchors among the window's --seq-len)."),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),

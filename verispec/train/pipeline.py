@@ -46,6 +46,7 @@ class TrainConfig:
     layout: str = "verispec"         # eagle: "eagle3" trains EAGLE-3's layer (exportable to vLLM / SGLang)
     block_size: int = 8              # dflash: the pending token + block_size - 1 drafted positions
     dflash_layers: int = 2           # dflash: drafter layers
+    head_intermediate: int | None = None  # eagle: the head's MLP width (default: the target's)
     block_anchors: int = 32          # dflash: blocks per sequence and step, drawn among the window's seq-len anchors
     seed: int = 0
     device: str = "cpu"
@@ -75,6 +76,8 @@ def _check(cfg: TrainConfig) -> None:
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.head_intermediate is not None and cfg.head_intermediate < 1:
+        raise InvalidParameter(f"head-intermediate must be >= 1, got {cfg.head_intermediate}")
     if cfg.layout not in ("verispec", "eagle3"):
         raise InvalidParameter(f"unknown layout '{cfg.layout}'; use verispec or eagle3")
     if cfg.block_size < 2:
@@ -176,7 +179,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     lm = target.model.get_output_embeddings().weight.detach().float().cpu()
     if cfg.kind in ("eagle", "dflash"):
-        module = (EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout)) if cfg.kind == "eagle" else
+        module = (EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout,
+                                                        intermediate_size=cfg.head_intermediate)) if cfg.kind == "eagle" else
                   BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers)))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
@@ -189,6 +193,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module.init_lm_head(lm)
     t0 = time.perf_counter()
     state = cfg.kind + ("-eagle3" if cfg.kind == "eagle" and cfg.layout == "eagle3" else "")  # another layer, another state
+    state = state if not cfg.head_intermediate or cfg.kind != "eagle" else f"{state}-mlp{cfg.head_intermediate}"
     state = state if not cfg.max_positions else f"{state}-{cfg.max_positions}"
     common = dict(max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed,
                   device=cfg.device, log=log, progress=cfg.progress, autocast=cfg.train_precision)
