@@ -59,7 +59,8 @@ def test_features_match_a_plain_forward(tiny, dataset):
 
 def test_fast_backend_features_match_transformers(tiny, dataset, tmp_path):
     """The feature pass on verispec's own forward stores what the transformers pass stores (within the
-    bf16 rounding of the stored features), and a shard made by the other backend is redone, not reused."""
+    bf16 rounding of the stored features), and a shard made by the other backend or from the target in
+    another dtype is redone, not reused."""
     records, data, layers = dataset
     paths = extract_features(tiny, records[:5], tmp_path, layers, shard_size=5, progress=False, backend="fast")
     fast = FeatureSet(paths)
@@ -71,7 +72,10 @@ def test_fast_backend_features_match_transformers(tiny, dataset, tmp_path):
     torch.testing.assert_close(fast.topk_p, data.topk_p[:n], atol=2e-3, rtol=2e-3)
     assert torch.load(paths[0])["backend"] == "fast"
     extract_features(tiny, records[:5], tmp_path, layers, shard_size=5, progress=False, backend="hf")
-    assert torch.load(paths[0])["backend"] == "hf"
+    assert torch.load(paths[0])["backend"] == "hf" and torch.load(paths[0])["dtype"] == "float32"
+    half = loaded(tiny_llama(vocab=V, seed=11, layers=4).to(torch.bfloat16))  # the same target in another dtype
+    extract_features(half, records[:5], tmp_path, layers, shard_size=5, progress=False, backend="hf")
+    assert torch.load(paths[0])["dtype"] == "bfloat16"  # redone, not reused
     with pytest.raises(ValueError, match="unknown feature backend"):
         extract_features(tiny, records[:5], tmp_path, layers, progress=False, backend="jax")
 
@@ -530,3 +534,39 @@ def test_a_learning_curve_point_takes_whole_shards_within_its_positions():
     assert records_within(records, 90, shard_size=3) == 9
     assert records_within(records, 10**6, shard_size=3) == 10  # the last, short shard too
     assert records_within(records, 5, shard_size=3) == 3       # never less than one shard
+
+
+def test_processes_extracting_into_one_folder_share_the_shards(tiny, dataset, tmp_path):
+    """A shard another process holds (its lock) is passed over, then waited for: finished by its holder it
+    is kept as it is, and the other shards are made meanwhile; a lock released with no shard written (its
+    holder died) gets the shard made by the waiting process."""
+    import fcntl
+    import shutil
+    import threading
+    import time
+
+    records, _, layers = dataset
+    ref = extract_features(tiny, records[:6], tmp_path / "ref", layers, shard_size=3, progress=False, backend="fast")
+    for finished_by_holder in (True, False):
+        out = tmp_path / f"shared-{finished_by_holder}"
+        out.mkdir()
+        lock = open(out / "shard_0000.lock", "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)  # "another process" holds shard 0
+        worker = threading.Thread(target=extract_features, args=(tiny, records[:6], out, layers),
+                                  kwargs=dict(shard_size=3, progress=False, backend="fast"))
+        worker.start()
+        deadline = time.time() + 60
+        while not (out / "shard_0001.pt").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert (out / "shard_0001.pt").exists() and worker.is_alive() and not (out / "shard_0000.pt").exists()
+        if finished_by_holder:
+            shutil.copy(ref[0], out / "shard_0000.pt")
+            stamp = (out / "shard_0000.pt").stat().st_mtime_ns
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+        worker.join(60)
+        assert not worker.is_alive()
+        if finished_by_holder:
+            assert (out / "shard_0000.pt").stat().st_mtime_ns == stamp  # kept, not made again
+        assert torch.equal(torch.load(out / "shard_0000.pt")["feats"], torch.load(ref[0])["feats"])

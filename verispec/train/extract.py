@@ -6,6 +6,10 @@ For every training sequence, one forward of the target (batched, right-padded) k
   topk_ids  [T, k], topk_p [T, k]      the target's next-token distribution at each position, top k
                                        (the tail is dropped: the loss renormalises over what is kept)
 Shards of `shard_size` sequences are saved as they finish (shard_XXXX.pt), so a rerun skips them.
+Processes that extract into one folder at once (two trainings of different kinds on one work folder)
+share the work: a process claims a shard by an advisory lock on shard_XXXX.lock (released by the OS
+when the process ends, however it ends), passes over the shards others hold, and at the end waits for
+them, computing any that their holder left unfinished.
 
 Two backends: "hf" runs transformers' forward on right-padded batches; "fast" runs verispec's own forward
 (fast/runner.py, not exact) one sequence at a time, and gives the features the drafter reads when it
@@ -15,6 +19,8 @@ docs/performance-notes.md).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 from pathlib import Path
 
@@ -31,24 +37,26 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
     if backend not in ("hf", "fast"):
         raise ValueError(f"unknown feature backend {backend!r}; use 'hf' or 'fast'")
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = None  # the fast backend's runner, built when a shard needs it (a rerun may need none)
+    dtype = str(target.dtype).removeprefix("torch.")  # the features' and labels' source precision
     shards = [records[i:i + shard_size] for i in range(0, len(records), shard_size)]
-    paths = []
+    paths = [out_dir / f"shard_{s:04d}.pt" for s in range(len(shards))]
     it = range(len(shards))
     if progress:
         from tqdm import tqdm
 
         it = tqdm(it, desc="features", unit="shard")
-    for s in it:
-        path = out_dir / f"shard_{s:04d}.pt"
-        paths.append(path)
-        if s % part[1] != part[0]:
-            continue
+    runner = None  # the fast backend's runner, built when a shard needs it (a rerun may need none)
+
+    def make(s: int) -> None:
+        """Shard s, unless a finished one with the same records, layers, backend and dtype is there."""
+        nonlocal runner
+        path = paths[s]
         ids = [r["id"] for r in shards[s]]
         if path.exists():
             old = torch.load(path)
-            if old.get("ids") == ids and old["layers"] == list(layers) and old.get("backend", "hf") == backend:
-                continue  # done before; a shard whose records or backend changed is redone
+            if (old.get("ids") == ids and old["layers"] == list(layers) and old.get("backend", "hf") == backend
+                    and old.get("dtype", "float32") == dtype):
+                return  # done before; a shard whose records, backend or the target's dtype changed is redone
         seqs = [r["prompt_ids"] + r["answer_ids"] for r in shards[s]]
         if backend == "fast" and runner is None:
             from verispec.backends.fast import FastRunner
@@ -62,11 +70,41 @@ def extract_features(target, records: list[dict], out_dir: Path, layers: list[in
         toks = [torch.tensor(x, dtype=torch.int32) for x in seqs]
         feats, tops, ps = (list(col) for col in zip(*rows))
         tmp = path.with_suffix(".tmp")
-        torch.save({"ids": ids, "backend": backend, "layers": list(layers), "tokens": torch.cat(toks), "lengths": torch.tensor([len(x) for x in seqs]),
+        torch.save({"ids": ids, "backend": backend, "dtype": dtype, "layers": list(layers), "tokens": torch.cat(toks),
+                    "lengths": torch.tensor([len(x) for x in seqs]),
                     "prompt_lengths": torch.tensor([len(r["prompt_ids"]) for r in shards[s]]),
                     "feats": torch.cat(feats), "topk_ids": torch.cat(tops), "topk_p": torch.cat(ps)}, tmp)
         tmp.replace(path)
+
+    held = []  # shards another process was making when this one came to them
+    for s in it:
+        if s % part[1] != part[0]:
+            continue
+        with claim(out_dir / f"shard_{s:04d}.lock", wait=False) as mine:
+            if mine:
+                make(s)
+            else:
+                held.append(s)
+    for s in held:
+        with claim(out_dir / f"shard_{s:04d}.lock", wait=True):
+            make(s)  # finished by its holder (skipped), or left unfinished (made here)
     return paths
+
+
+@contextlib.contextmanager
+def claim(lock: Path, wait: bool):
+    """An exclusive advisory lock on the file `lock` for the block -> True, or False at once where another
+    process holds it and not `wait`. Unlike a lock file's mere existence, it ends with its process."""
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def loop_free_length(answer: list[int], n: int) -> int:
