@@ -45,6 +45,10 @@ def test_auto_budget_follows_the_cost_curve():
     assert all(r == list(range(r[0], r[0] + EXPLORE_RUN)) for r in runs)
     gaps = [b[0] - a[-1] for a, b in zip([[-1]] + runs, runs)]
     assert gaps == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE] + [EXPLORE_MAX] * 4
+    # a new generation (other text, its own acceptance counts) tries drafting after EXPLORE plain steps again
+    steep.new_steps()
+    shapes = [steep.tree_shape(6) for _ in range(EXPLORE + EXPLORE_RUN)]
+    assert [i for i, s in enumerate(shapes) if s is not None] == list(range(EXPLORE - 1, EXPLORE - 1 + EXPLORE_RUN))
     # and the other way: where trees pay, one plain step after EXPLORE trees in a row, then after 2x, ... (a plain
     # step's measured cost would otherwise never be refreshed)
     shapes = [flat.tree_shape(6) for _ in range(2 * EXPLORE + 4 * EXPLORE_MAX)]

@@ -145,7 +145,9 @@ def test_rank_acceptance_and_stats_by_rank():
     ra = RankAcceptance(prior=(0.5, 0.5), prior_weight=2)
     for _ in range(8):
         ra.observe(2, 1)
-    assert ra.profile()[1] == pytest.approx((8 + 1) / (8 + 2)) and ra.profile()[0] == pytest.approx(1 / 10)
+    assert ra.pooled()[1] == pytest.approx((8 + 1) / (8 + 2)) and ra.pooled()[0] == pytest.approx(1 / 10)
+    # the same counts again as this generation's own, shrunk toward the pooled estimate
+    assert ra.profile()[1] == pytest.approx((8 + ra.pooled()[1] * 8) / (8 + 8))
     lay = TreeLayout.for_proposal([-1, -1, 1, 1, 3], 5)
     res = greedy_tree_verify(torch.tensor([5, 7, 3, 4, 9]), [-1, -1, 1, 1, 3],
                              torch.nn.functional.one_hot(torch.tensor([7, 1, 4, 0, 9, 2]), 10).float())
@@ -155,6 +157,23 @@ def test_rank_acceptance_and_stats_by_rank():
     assert stats.offered_by_rank == [3, 2] and stats.accepted_by_rank == [1, 2]
     assert stats.drafted_by_position == [1, 1, 1] and stats.accepted_by_position == [1, 1, 1]
     assert stats.nodes_per_step == 5 and "sibling rank" in stats.summary()
+
+
+def test_rank_acceptance_follows_the_generation_at_hand():
+    """Counts of earlier generations are the prior of the current one's: a generation whose first drafts
+    keep failing moves the estimate below the pooled one within a few offers, the next generation starts
+    from the pooled estimate again, and the pooled one keeps everything."""
+    ra = RankAcceptance(prior=(0.5,), prior_weight=8, local_weight=8)
+    for _ in range(200):  # earlier generations: the first draft accepted 80% of the time
+        ra.observe(1, 0 if _ % 5 else None)
+    ra.new_generation()
+    pooled = ra.pooled()[0]
+    assert pooled == pytest.approx((160 + 4) / (200 + 8)) and ra.profile()[0] == pytest.approx(pooled)
+    for _ in range(8):  # this generation: none accepted
+        ra.observe(1, None)
+    assert ra.profile()[0] == pytest.approx(ra.pooled()[0] * 8 / 16) and ra.profile()[0] < 0.4 < ra.pooled()[0]
+    ra.new_generation()
+    assert ra.profile()[0] == pytest.approx(ra.pooled()[0]) and ra.pooled()[0] == pytest.approx((160 + 4) / (208 + 8))
 
 
 class TableScorer:

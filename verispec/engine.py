@@ -196,8 +196,12 @@ class Engine:
         return self._curve[1]
 
     def new_steps(self) -> None:
-        """A generation begins: no step of it before the next (the auto budget's step costs stay)."""
+        """A generation begins: no step of it before the next (the auto budget's step costs stay, its
+        acceptance estimate starts this generation's own counts, and it tries the kind of step it does not
+        take after EXPLORE steps again, so that those counts come soon)."""
         self._budget = self._last_budget = None
+        self.rank_acceptance.new_generation()
+        self._streak, self._explore = 0, EXPLORE
 
     def observe_step(self, positions: int, seconds: float) -> None:
         """A single sequence's whole step took `seconds` and verified `positions`: what it cost beyond its

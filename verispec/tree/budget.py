@@ -130,23 +130,44 @@ def measure_verify_cost(runner, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
 
 @dataclass
 class RankAcceptance:
-    """Running estimate of a_r = P(the r-th sibling is the accepted one | it was offered), seeded with
-    a prior worth `prior_weight` observations."""
+    """Estimate of a_r = P(the r-th sibling is the accepted one | it was offered) for the text at hand.
+
+    Pooled over every generation (seeded with a prior worth `prior_weight` observations), it is the prior of
+    the current generation's own counts, worth `local_weight` observations: how predictable the target's
+    text is differs several-fold between tasks (a head's first draft is accepted far more often in a
+    worked sum than in a translation), so one pooled figure drafts where the text at hand is hard and
+    declines where it is easy. `new_generation()` starts the local counts again."""
 
     prior: Sequence[float] = DEFAULT_RANK_ACCEPTANCE
     prior_weight: float = 8.0
+    local_weight: float = 8.0
     offered: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    here_offered: list[float] = field(default_factory=list)
+    here_accepted: list[float] = field(default_factory=list)
 
     def observe(self, offered_ranks: int, accepted_rank: int | None) -> None:
         count_ranks(self.offered, self.accepted, offered_ranks, accepted_rank)
+        count_ranks(self.here_offered, self.here_accepted, offered_ranks, accepted_rank)
+
+    def new_generation(self) -> None:
+        self.here_offered, self.here_accepted = [], []
+
+    def pooled(self) -> list[float]:
+        """The estimate over every generation so far."""
+        return _shrunk(self.accepted, self.offered, self.prior, self.prior_weight)
 
     def profile(self) -> list[float]:
-        n = max(len(self.prior), len(self.offered))
-        out = []
-        for r in range(n):
-            prior = self.prior[r] if r < len(self.prior) else 0.0
-            off = self.offered[r] if r < len(self.offered) else 0.0
-            acc = self.accepted[r] if r < len(self.accepted) else 0.0
-            out.append((acc + prior * self.prior_weight) / (off + self.prior_weight))
-        return out
+        """The estimate for the current generation."""
+        return _shrunk(self.here_accepted, self.here_offered, self.pooled(), self.local_weight)
+
+
+def _shrunk(accepted: Sequence[float], offered: Sequence[float], prior: Sequence[float], weight: float) -> list[float]:
+    """Per rank, (accepted + prior * weight) / (offered + weight): counts shrunk toward a prior."""
+    out = []
+    for r in range(max(len(prior), len(offered))):
+        p = prior[r] if r < len(prior) else 0.0
+        off = offered[r] if r < len(offered) else 0.0
+        acc = accepted[r] if r < len(accepted) else 0.0
+        out.append((acc + p * weight) / (off + weight))
+    return out
