@@ -36,7 +36,8 @@ ports with the float part of each group (convert, scale, two FMAs per row), so t
 (dx * S is computed once per row and group, not per block). An AMX tile version was tried: its products
 are exact integers too (same bits), but one tile product per group of 32 and its store cost more than the
 VNNI instructions below 16 rows, so it is not kept. The AVX2 rows ask for the weight stream a few groups
-ahead (software prefetch): a projection's weights are too short a stream for the hardware prefetcher.
+ahead (software prefetch): a projection's weights are too short a stream for the hardware prefetcher. The
+AVX-512 rows do so at 8 rows only (on Zen 4 the hardware keeps up with fewer rows, and asking costs there).
 
 Built on first use with torch.utils.cpp_extension (registered as torch.ops.verispec.qmm so that the
 native layer step can call it too), one build holding both instruction sets, chosen per process by the CPU;
@@ -202,7 +203,6 @@ void rows(int64_t nb, int64_t m0, int64_t K, int64_t N, const uint8_t* W, const 
 // 32258), one `vpmaddwd` per line. A block of 16 channels runs as two halves of 8, each half's 32-byte
 // slice of the 64-byte lines.
 constexpr int64_t MB2 = 4;
-
 
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const at::BFloat16* p) {
