@@ -278,6 +278,10 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "unknown train precision 'fp8'" in r.output
     r = CliRunner().invoke(app, ["train", "eagle", "--gen-minutes", "-1"])
     assert r.exit_code == 2 and "gen-minutes must be >= 0" in r.output
+    r = CliRunner().invoke(app, ["train", "dflash", "--head-intermediate", "64"])
+    assert r.exit_code == 2 and "a dflash head does not take it" in r.output
+    r = CliRunner().invoke(app, ["train", "eagle", "--head-intermediate", "0"])
+    assert r.exit_code == 2 and "head-intermediate must be >= 1" in r.output
 
 
 def test_learning_rate_anneals_by_the_step_count_or_the_time_budget(tmp_path):

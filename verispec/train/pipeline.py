@@ -76,6 +76,8 @@ def _check(cfg: TrainConfig) -> None:
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.head_intermediate is not None and cfg.kind != "eagle":
+        raise InvalidParameter(f"head-intermediate sets the EAGLE head's MLP width; a {cfg.kind} head does not take it")
     if cfg.head_intermediate is not None and cfg.head_intermediate < 1:
         raise InvalidParameter(f"head-intermediate must be >= 1, got {cfg.head_intermediate}")
     if cfg.layout not in ("verispec", "eagle3"):
@@ -193,7 +195,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module.init_lm_head(lm)
     t0 = time.perf_counter()
     state = cfg.kind + ("-eagle3" if cfg.kind == "eagle" and cfg.layout == "eagle3" else "")  # another layer, another state
-    state = state if not cfg.head_intermediate or cfg.kind != "eagle" else f"{state}-mlp{cfg.head_intermediate}"
+    if cfg.head_intermediate:  # another width, another state
+        state += f"-mlp{cfg.head_intermediate}"
     state = state if not cfg.max_positions else f"{state}-{cfg.max_positions}"
     common = dict(max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None, steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed,
                   device=cfg.device, log=log, progress=cfg.progress, autocast=cfg.train_precision)
