@@ -41,6 +41,15 @@ def _git_commit() -> str | None:
         return None
 
 
+def _kernel_threads() -> int | None:
+    """The threads the fast path's C++ kernels split a pass over (None on a CPU where they do not run)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    from verispec.fast import ops
+
+    return ops.parallel_threads()
+
+
 def environment(target=None) -> dict:
     """Versions and hardware, stored with every result so runs on different machines can be compared."""
     import transformers
@@ -59,6 +68,7 @@ def environment(target=None) -> dict:
         "cpu_flags": _cpu_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "kernel_threads": _kernel_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "cuda": torch.version.cuda,
     }

@@ -86,7 +86,7 @@ def markdown(result: dict) -> str:
            f"- prompts: {cfg['prompt_set'] or 'custom'} ({len(result['questions'])} questions, {cfg['prompt_mode']} mode), "
            f"greedy, batch 1, max {cfg['max_new_tokens']} new tokens per turn, draft length {cfg['draft_length']}"
            + (f", draft model {cfg['draft']}" if cfg.get("draft") else ""),
-           f"- machine: {hw}, {env.get('torch_threads')} torch threads; torch {env['torch']}, "
+           f"- machine: {hw}, {env.get('torch_threads')} torch threads (kernels on {env.get('kernel_threads')}); torch {env['torch']}, "
            f"transformers {env['transformers']}, verispec {env.get('verispec')} ({env.get('git_commit')}), {env['time_utc']}",
            "- speedup: tokens/s over plain decoding (ar) measured in the same run on the same questions; "
            "tau: tokens per target forward; alpha: accepted / drafted; predicted: tau / (k c + 1) (flat) or "

@@ -4,6 +4,12 @@ where an operator does not run, and the CPU's flags that decide it.
 Each is built with torch.utils.cpp_extension.load_inline and registers itself under torch.ops.verispec;
 where the build fails (no compiler, no headers) or the CPU lacks what it needs, the caller runs PyTorch's
 operations instead and `Operator.available()` says why.
+
+Every build is an OpenMP build (`-fopenmp`): ATen's `at::parallel_for` is a header template that runs its
+body on the calling thread alone unless the including code is compiled with OpenMP, so without the flag every
+kernel ran on one core whatever torch.set_num_threads said. The extension links `libgomp.so.1`, the
+soname PyTorch's own OpenMP runtime is loaded under, so the process keeps one thread pool.
+`parallel_threads()` says how many threads an operator built here runs on.
 """
 
 from __future__ import annotations
@@ -54,7 +60,37 @@ def load(name: str, source: str, cflags: list[str]) -> None:
     """Compile and load one operator's C++ (cached by torch's extension builder under `name`)."""
     from torch.utils.cpp_extension import load_inline
 
-    load_inline(name, cpp_sources=source, extra_cflags=cflags, is_python_module=False, verbose=False)
+    load_inline(name, cpp_sources=source, extra_cflags=cflags + ["-fopenmp"], extra_ldflags=["-fopenmp"],
+                is_python_module=False, verbose=False)
+
+
+_PROBE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <atomic>
+
+// how many distinct threads at::parallel_for hands work to in an operator built as the kernels are
+int64_t parallel_threads(int64_t n) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen |= uint64_t(1) << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
+}
+
+TORCH_LIBRARY_FRAGMENT(verispec, m) {
+  m.def("parallel_threads(int n) -> int", &parallel_threads);
+}
+"""
+
+
+def parallel_threads() -> int | None:
+    """The threads a kernel built here splits its work over at torch's current thread count (None where no
+    operator builds): torch.get_num_threads() where the build is parallel, 1 where it is not."""
+    try:
+        if not hasattr(torch.ops.verispec, "parallel_threads"):
+            load("verispec_parallel_probe", _PROBE, ["-O2"])
+        return int(torch.ops.verispec.parallel_threads(64))
+    except Exception:  # no compiler, no headers: no kernel runs either
+        return None
 
 
 def load_for_cpu(stem: str, source: str, contract: bool = True) -> None:
