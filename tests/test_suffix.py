@@ -417,16 +417,23 @@ def test_smollm2_bfloat16_exact_mode_equals_plain_decoding():
 
 
 def test_bench_keeps_the_cache_across_questions_but_not_the_warm_up():
+    """Each suffix contender of a bench keeps a cache of its own across the questions, in question order,
+    without the warm-up's answer; two of them in one run never read each other's answers to the same
+    question, and the model's global cache (the server's) is left alone."""
+    from verispec.bench.baselines import VerispecContender, parse_method
     from verispec.bench.harness import run_bench
     from verispec.bench.prompts import Question, load_prompts
 
     assert {q.category for q in load_prompts("shared_tasks")} == {"gsm8k_json", "gsm8k_steps", "code_docstring", "code_tests"}
     target = loaded(tiny_llama(), name="tiny-suffix-bench")
     questions = [Question(str(i), "t", [" ".join(str(t) for t in p)]) for i, p in enumerate(PROMPTS[:3])]
-    result = run_bench(target, ["ar", "suffix"], questions, max_new_tokens=12, warmup=1, progress=False)
+    suffixes = [VerispecContender(target, parse_method(m)) for m in ("suffix", "suffix:suffix_alpha=2.0")]
+    result = run_bench(target, ["ar", *suffixes], questions, max_new_tokens=12, warmup=1, progress=False)
     assert not result["mismatches"]
-    # the model's cache holds the 3 measured answers, in order; the warm-up's answer was forgotten
-    cache = global_cache("tiny-suffix-bench")
-    answers = [r["turns"][0]["token_ids"] for r in result["runs"] if r["method"] == "suffix"]
-    stored = [cache.trie.tokens(i) for i in cache.trie.sequences]
-    assert len(stored) == 3 and all(s[:len(a)] == a for s, a in zip(stored, answers))
+    assert len(global_cache("tiny-suffix-bench")) == 0
+    assert suffixes[0].engine.drafter.cache is not suffixes[1].engine.drafter.cache
+    for c in suffixes:  # its cache holds its 3 measured answers, in order; the warm-up's answer was forgotten
+        cache = c.engine.drafter.cache
+        answers = [r["turns"][0]["token_ids"] for r in result["runs"] if r["method"] == c.label]
+        stored = [cache.trie.tokens(i) for i in cache.trie.sequences]
+        assert len(stored) == 3 and all(s[:len(a)] == a for s, a in zip(stored, answers))

@@ -40,6 +40,7 @@ from verispec.types import Proposal, SamplingParams
 
 # the auto budget's choices: a plain step (0: not drafting is expected to pay more) or a tree of so many nodes
 AUTO_BUDGETS = (0, 1, 3, 7, 15, 31, 63)
+FREE_NODES = 16  # the most nodes a free proposal (Drafter.propose_free) may verify: suffix decoding's own tree size
 EXPLORE, EXPLORE_MAX = 8, 64  # steps of one kind (plain or drafted) in a row after which the auto budget tries
 #                               the other (to keep measuring the acceptance and both kinds' costs), doubling
 #                               while the other keeps not paying
@@ -73,6 +74,7 @@ class _Nodes:
     tree: TreeMask | None = None
     layout: TreeLayout | None = None
     aux: int = 0
+    free: bool = False  # Proposal.free: its verdict does not teach the auto budget
 
     @classmethod
     def of(cls, pending: int, proposal: Proposal | None, max_depth: int) -> "_Nodes":
@@ -80,7 +82,8 @@ class _Nodes:
             return cls([pending], torch.empty(0, dtype=torch.long))
         draft = proposal.tokens.tolist()
         aux = proposal.aux_tokens.tolist() if proposal.aux_tokens is not None else []
-        nodes = cls([pending] + draft + aux, proposal.tokens, proposal.parents, proposal.draft_probs, aux=len(aux))
+        nodes = cls([pending] + draft + aux, proposal.tokens, proposal.parents, proposal.draft_probs, aux=len(aux),
+                    free=proposal.free)
         if proposal.parents is None and not aux:
             return nodes
         nodes.layout = TreeLayout.for_proposal(proposal.parents, len(draft))
@@ -238,6 +241,12 @@ class Engine:
         """The drafter's proposal for this step (None: decode one token plainly)."""
         if self.drafter is None or k <= 0:
             return None
+        # a free proposal needs no budget; its size is the drafter's own, capped as a dynamic tree's is
+        cap = FREE_NODES if max_nodes is None else min(FREE_NODES, max_nodes)
+        trees = self.tree is not None
+        proposal = self.drafter.propose_free(context, room - 1 if trees else k, cap, trees)
+        if proposal is not None and len(proposal):
+            return replace(proposal, free=True)
         if self.tree is not None:
             shape = self.tree_shape(room - 1, max_nodes)
             if shape is None:
@@ -356,7 +365,7 @@ class Decoding:
         path = [0] + [i + 1 for i in result.accepted_nodes]  # rows of the pending token and the accepted nodes
         engine.runner.commit(base, path)
         stats.observe(result, nodes.layout)
-        if nodes.layout is not None:
+        if nodes.layout is not None and not nodes.free:
             for offered, rank in nodes.layout.walk_ranks(result.accepted_nodes):
                 engine.rank_acceptance.observe(offered, rank)
         stats.draft_time += t1 - t0

@@ -71,6 +71,9 @@ class Proposal:
                  decoding's Jacobi window, drafters/lookahead.py)
     aux_parents: list[int] | None   their parents over all nodes: -1 = root, 0..n-1 = drafted node,
                  n..n+m-1 = an earlier auxiliary node (topological order)
+    free:        bool   drafted without a model call, before the step's budget was asked
+                 (Drafter.propose_free): its verdict does not teach the auto budget, which prices the
+                 drafter's own proposals
     """
 
     tokens: "torch.Tensor"  # noqa: F821
@@ -78,6 +81,7 @@ class Proposal:
     parents: list[int] | None = None
     aux_tokens: "torch.Tensor | None" = None
     aux_parents: list[int] | None = None
+    free: bool = False
 
     def __len__(self) -> int:
         return int(self.tokens.numel())

@@ -98,7 +98,10 @@ class VerispecContender:
             if spec.method not in METHODS:
                 raise InvalidParameter(f"unknown method '{spec.method}'; use one of {', '.join(METHODS)}")
             try:
-                engine = build_engine(target, spec.method, draft=draft, draft_length=spec.draft_length, **spec.options)
+                # a cache of its own: two contenders on the global cache would read each other's answers to
+                # the question both just answered
+                options = {"suffix_cache": "private", **spec.options}
+                engine = build_engine(target, spec.method, draft=draft, draft_length=spec.draft_length, **options)
             except TypeError as exc:  # an option build_engine does not take
                 raise InvalidParameter(f"method '{spec.label}': {exc}") from exc
         self.engine = engine

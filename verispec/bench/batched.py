@@ -131,14 +131,20 @@ class Contender:
     setting: str | int | None  # as asked: None, "auto" or a count
     label: str
     engines: list = field(default_factory=list)
+    suffix_cache: object = None  # one suffix cache for the pool (as a server's requests share one), no other's
 
     def pool(self, target, n: int, draft=None, runners: list | None = None) -> list:
+        from verispec.drafters.suffix import SuffixCache
+
         runners = [] if runners is None else runners
+        if self.suffix_cache is None:
+            self.suffix_cache = SuffixCache()
         while len(self.engines) < n:
             i = len(self.engines)
-            spec = self.spec
+            options = {"suffix_cache": self.suffix_cache, **self.spec.options}
             if i < len(runners):
-                spec = MethodSpec(spec.method, spec.draft_length, {**spec.options, "runner": runners[i]}, label=spec.label)
+                options["runner"] = runners[i]
+            spec = MethodSpec(self.spec.method, self.spec.draft_length, options, label=self.spec.label)
             engine = VerispecContender(target, spec, draft=draft).engine
             if i >= len(runners):
                 runners.append(engine.runner)

@@ -8,8 +8,8 @@ How it runs (after Spec-Bench, Xia et al. 2024, and its evaluation scripts):
   its own earlier answer; a question's time is the sum of its turns' generate() times;
 - a contender that keeps a memory across generations (suffix decoding's cache of earlier outputs) keeps it
   across the questions of the run, in question order, but forgets the warm-up (which answered a measured
-  question); two suffix contenders in one run need suffix_cache=private, or they would read each other's
-  answers to the same question;
+  question); each contender's cache is its own (suffix_cache=private unless a method spec says otherwise),
+  or two suffix contenders (suffix, suffix+eagle, ...) would read each other's answers to the same question;
 - plain decoding ("ar") always runs: it is the reference for speedups and for greedy exactness. Any
   verispec output that differs from it is a bug in a lossless method and is reported loudly.
 """

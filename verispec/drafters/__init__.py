@@ -80,6 +80,18 @@ def _dflash(target, head=None, **_):
     return BlockDrafter.for_target(target, head)  # head: a trained drafter folder; None = the shipped one
 
 
+def _with_suffix(model: Callable) -> Callable:
+    """The factory of `model`'s drafter behind suffix decoding's confident speculations (drafters/hybrid.py)."""
+
+    def make(target, **options):
+        from verispec.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter(_suffix(target, **options), model(target, **options))
+
+    make.__doc__ = f"suffix decoding where it is confident, else the {model.__doc__}"
+    return make
+
+
 # method name -> factory(target, **options) -> Drafter | None (None: plain autoregressive decoding)
 METHODS: dict[str, Callable] = {"ar": _ar, "ngram": _ngram, "draft": _draft}
 METHODS["eagle"] = _eagle
@@ -87,6 +99,8 @@ METHODS["medusa"] = _medusa
 METHODS["suffix"] = _suffix
 METHODS["lookahead"] = _lookahead
 METHODS["dflash"] = _dflash
+for _model in ("eagle", "dflash", "medusa"):
+    METHODS[f"suffix+{_model}"] = _with_suffix(METHODS[_model])
 
 
 def make_drafter(method: str, target, **options) -> Drafter | None:

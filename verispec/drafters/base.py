@@ -27,6 +27,12 @@ class Drafter(Protocol):
     def observe(self, result: StepResult) -> None:
         """Learn from what the target accepted (adapt tables, lengths, ...)."""
 
+    def propose_free(self, context: list[int], depth: int, nodes: int, tree: bool) -> Proposal | None:
+        """A proposal that costs no model call, asked for before the draft length or the tree budget: at
+        most `nodes` nodes, `depth` deep, a tree where `tree` (else a chain: parents None). None (the
+        default): draft as usual this step. The engine verifies it like any proposal (Proposal.free)."""
+        return None
+
     def propose_tree(self, context: list[int], shape) -> Proposal | None:
         """(can_tree) Fill `shape` (tree.StaticTree or tree.DynamicTree, already cut to the room left) with
         tokens to follow `context`: a Proposal with parents (topological order, -1 = the pending root) and

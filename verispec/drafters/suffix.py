@@ -363,7 +363,8 @@ class SuffixDrafter(Drafter):
             n = 0
         self.trie.extend(0, context[n:])
 
-    def _best(self, context: list[int], budget: int, **grow) -> SpecTree | None:
+    def best(self, context: list[int], budget: int, **grow) -> SpecTree | None:
+        """The best speculation tree over this request's trie and the cache (grow: grow_tree's options)."""
         self._sync(context)
         opts = dict(alpha=self.alpha, min_prob=self.min_prob, **grow)
         best = best_tree(self.trie, context, budget, **opts)
@@ -374,7 +375,7 @@ class SuffixDrafter(Drafter):
         return best
 
     def propose(self, context: list[int], k: int) -> Proposal | None:
-        tree = self._best(context, k, topk=1, max_depth=k)
+        tree = self.best(context, k, topk=1, max_depth=k)
         if tree is None:
             return None
         return Proposal(tokens=torch.tensor(tree.tokens, dtype=torch.long))
@@ -383,9 +384,9 @@ class SuffixDrafter(Drafter):
         from verispec.tree import StaticTree
 
         if isinstance(shape, StaticTree):
-            tree = self._best(context, len(shape.paths), max_depth=shape.depth, allowed=set(shape.paths))
+            tree = self.best(context, len(shape.paths), max_depth=shape.depth, allowed=set(shape.paths))
         else:
-            tree = self._best(context, shape.budget or 16, topk=shape.topk, max_depth=shape.depth)
+            tree = self.best(context, shape.budget or 16, topk=shape.topk, max_depth=shape.depth)
         if tree is None:
             return None
         return Proposal(tokens=torch.tensor(tree.tokens, dtype=torch.long), parents=list(tree.parents))
