@@ -93,6 +93,18 @@ def generate(
     ids = target.encode(prompt=text, chat=chat)
     engine = build_engine(target, method, draft=draft, draft_length=draft_length, adaptive=adaptive, ngram_max=ngram_max,
                           **fast, **tree_opts, **suffix_opts)
+    plain_engine = None
+    if compare and method != "ar":
+        # untimed warm-ups of both, as the bench does: an engine's first generation pays one-time costs (the
+        # auto tree budget's cost curve, first kernel calls) that are not its method's speed
+        from dataclasses import replace
+
+        warm = replace(params, max_new_tokens=min(8, params.max_new_tokens))
+        plain_engine = build_engine(target, "ar", **fast)
+        for e in (engine, plain_engine):
+            e.generate(ids, warm)
+            if callable(getattr(e.drafter, "forget", None)):
+                e.drafter.forget()  # the warm-up's answer is not for the suffix cache to draft from
     for event in engine.stream(ids, params):
         if not quiet:
             out.print(event.text, end="", markup=False)
@@ -101,7 +113,7 @@ def generate(
         out.print()
     out.print(f"[dim]{method}: {result.stats.summary()} (finish: {result.finish_reason})[/]")
     if compare and method != "ar":
-        plain = build_engine(target, "ar", **fast).generate(ids, params)
+        plain = plain_engine.generate(ids, params)
         speedup = plain.stats.total_time / result.stats.total_time if result.stats.total_time else 0.0
         same = "identical" if plain.token_ids == result.token_ids else "DIFFERENT"
         out.print(f"[dim]ar: {plain.stats.summary()}[/]")
