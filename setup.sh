@@ -34,4 +34,6 @@ fi
 .venv/bin/python -c "from verispec.fast import rope; print('rope kernel:', rope.available() or 'rope_store')"
 # and the gated MLP's SiLU * up kernel (verispec/fast/glu.py; PyTorch's operations without it)
 .venv/bin/python -c "from verispec.fast import glu; print('silu_mul kernel:', glu.available() or 'silu_mul')"
+# and how many threads those kernels split a pass over (an OpenMP build: torch's threads; verispec/fast/ops.py)
+.venv/bin/python -c "from verispec.fast import ops; print('kernel threads:', ops.parallel_threads())"
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"
