@@ -18,21 +18,16 @@ from verispec.types import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_eagle(target, seed: int = 1, vocab: int | None = None, context_vocab: bool = False) -> EagleHead:
-    """A randomly initialised EAGLE head with a draft vocabulary of the first `vocab` ids, shuffled
-    (context_vocab: it also drafts the context's other tokens, its offset at 0 so that they win often)."""
+def random_eagle(target, seed: int = 1, vocab: int | None = None) -> EagleHead:
+    """A randomly initialised EAGLE head with a draft vocabulary of the first `vocab` ids, shuffled."""
     torch.manual_seed(seed)
     V = target.vocab_size
     vd = vocab or V
-    head = EagleHead(EagleHead.make_config(target, vd, context_vocab=context_vocab))
+    head = EagleHead(EagleHead.make_config(target, vd))
     head.d2t.copy_(torch.randperm(V)[:vd])
     with torch.no_grad():
         head.lm_head.weight.mul_(20.0)  # confident random drafts: long wrong chains exercise rollback
-        if context_vocab:
-            head.ctx_bias.zero_()
     head.attach_embedding(target.model.get_input_embeddings().weight)
-    if context_vocab:
-        head.attach_lm_rows(target.model.get_output_embeddings().weight * 20.0)
     return head.eval()
 
 
@@ -250,58 +245,6 @@ def test_engine_hands_over_the_committed_positions_features(tiny, backend, tree)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-class _Recording(EagleDrafter):
-    """An EAGLE drafter that keeps every token it proposed."""
-
-    def propose(self, context, k):
-        out = super().propose(context, k)
-        if out is not None:
-            self.proposed.extend(out.tokens.tolist())
-        return out
-
-    def propose_tree(self, context, shape):
-        out = super().propose_tree(context, shape)
-        if out is not None:
-            self.proposed.extend(out.tokens.tolist())
-        return out
-
-
-@pytest.mark.parametrize("backend", ["hf", "fast"])
-@pytest.mark.parametrize("tree", [None, "dynamic"])
-def test_context_tokens_are_drafted_and_output_stays_exact(tiny, plain_outputs, backend, tree):
-    """A context_vocab head drafts the context's tokens outside its static vocabulary too (they are among
-    its proposals), and greedy output is still plain decoding's, chains and trees."""
-    head = random_eagle(tiny, vocab=12, context_vocab=True)
-    drafter = _Recording(head, tiny.vocab_size)
-    drafter.proposed = []
-    engine = Engine.for_model(tiny, drafter, draft_length=4, tree=DynamicTree(budget=8) if tree else None, backend=backend)
-    for prompt, want in zip(PROMPTS, plain_outputs[backend]):
-        assert engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW)).token_ids == want
-    static = set(head.d2t.tolist())
-    outside = [t for t in drafter.proposed if t not in static]
-    assert len(outside) >= 5, (len(drafter.proposed), len(outside))
-    # a new generation starts from the static vocabulary again
-    drafter.begin([1, 2], SamplingParams(), None)
-    assert drafter.ctx is None and torch.equal(drafter.d2t, drafter.static_d2t)
-
-
-def test_context_tokens_grow_in_order_and_only_once(tiny):
-    head = random_eagle(tiny, vocab=12, context_vocab=True)
-    d = EagleDrafter(head, tiny.vocab_size)
-    static = set(head.d2t.tolist())
-    ctx = [t for t in range(tiny.vocab_size) if t not in static][:4]
-    d.grow_context_tokens([ctx[1], int(head.d2t[0]), ctx[0], ctx[1]])
-    assert d.ctx.ids.tolist() == [ctx[1], ctx[0]]
-    d.grow_context_tokens([ctx[1], int(head.d2t[0]), ctx[0], ctx[1], ctx[2], ctx[0]])  # only the new tail is read
-    assert d.ctx.ids.tolist() == [ctx[1], ctx[0], ctx[2]]
-    assert d.d2t.tolist() == head.d2t.tolist() + [ctx[1], ctx[0], ctx[2]]
-    assert torch.equal(d.ctx.rows, head.lm_rows[d.ctx.ids])
-    lg = head.logits(torch.randn(3, head.hidden), d.ctx)
-    assert lg.shape == (3, 12 + 3)
-    q = d.full_logits(lg)
-    assert torch.isinf(q[:, [t for t in range(tiny.vocab_size) if t not in set(d.d2t.tolist())]]).all()
-
-
 def test_sampling_path_is_lossless():
     """Sampled proposals with draft probabilities (EAGLE chain, Medusa static tree drawn without
     replacement) keep the target's distribution: 3 tokens, chi-square against the enumerated target."""
@@ -309,17 +252,10 @@ def test_sampling_path_is_lossless():
     from stats_util import chi_square_pvalue, marginals
 
     target, exact = three_token_distribution()
-    cases = [("eagle", None, 2), ("eagle-context", None, 2), ("medusa", "static:[[0],[1],[0,0],[1,0]]", 2)]
+    cases = [("eagle", None, 2), ("medusa", "static:[[0],[1],[0,0],[1,0]]", 2)]
     for kind, tree, k in cases:
-        if kind == "medusa":
-            drafter = make_drafter(kind, target, heads=2)
-        elif kind == "eagle":
-            drafter = make_drafter(kind, target)
-        else:  # half the vocabulary static, the rest drafted only once the context holds it
-            drafter = EagleDrafter(random_eagle(target, vocab=target.vocab_size // 2, context_vocab=True), target.vocab_size)
-            with torch.no_grad():
-                drafter.lm_rows.mul_(0.05)
-        if kind != "medusa":
+        drafter = make_drafter(kind, target, heads=2) if kind == "medusa" else make_drafter(kind, target)
+        if kind == "eagle":
             with torch.no_grad():
                 drafter.head.lm_head.weight.mul_(0.05)  # a soft q: several tokens drafted
         engine = Engine.for_model(target, drafter, draft_length=k, tree=tree, backend="hf")

@@ -49,7 +49,6 @@ def _command(kind: str):
         block_size: int = typer.Option(8, "--block-size", help="dflash: block length (the pending token + block-size - 1 drafted tokens)."),
         dflash_layers: int = typer.Option(2, "--dflash-layers", help="dflash: drafter layers."),
         head_intermediate: Optional[int] = typer.Option(None, "--head-intermediate", help="EAGLE: the head's MLP width (default: the target's intermediate size)."),
-        context_vocab: bool = typer.Option(False, "--context-vocab", help="EAGLE: draft the context's tokens outside the draft vocabulary too, scored by the target's LM-head rows."),
         init: Optional[str] = typer.Option(None, "--init", help="A trained head folder (same kind, sizes and records) whose weights start the training."),
         block_anchors: int = typer.Option(32, "--block-anchors", help="dflash: blocks per sequence and step (random anchors among the window's --seq-len)."),
         seed: int = typer.Option(0, "--seed"),

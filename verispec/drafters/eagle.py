@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import (ContextTokens, FeatureQueue, HeadDrafting, PackedLinears, RMSNorm,
-                                          context_logits, default_feature_layers, load_module, rotary, rotate)
+from verispec.drafters.head_parts import (FeatureQueue, HeadDrafting, PackedLinears, RMSNorm, default_feature_layers,
+                                          load_module, rotary, rotate)
 from verispec.errors import HeadMismatch
 from verispec.fast import quant
 from verispec.tree import Candidate, ancestors, build_tree, to_proposal
@@ -41,7 +41,6 @@ from verispec.types import Proposal, SamplingParams, StepResult
 
 
 LAYOUTS = ("verispec", "eagle3")
-CONTEXT_BIAS_SCALE = 8.0
 
 
 class EagleHead(PackedLinears, nn.Module):
@@ -81,13 +80,6 @@ class EagleHead(PackedLinears, nn.Module):
         self.down = nn.Linear(inter, H, bias=False)
         self.lm_head = nn.Linear(H, vd, bias=False)
         self.register_buffer("d2t", torch.arange(vd, dtype=torch.long))
-        self.context_vocab = bool(config.get("context_vocab", False))
-        if self.context_vocab:  # the context's own tokens as extra columns (head_parts.ContextTokens)
-            # their logits' offset is CONTEXT_BIAS_SCALE * ctx_bias: it starts where the extra columns seldom
-            # win (a head trained without them scores the target's rows of its context's tokens high), and
-            # the scale lets AdamW, whose steps are about lr whatever the gradient, move it in a few hundred
-            self.ctx_bias = nn.Parameter(torch.tensor(-1.0))
-        self.lm_rows: torch.Tensor | None = None  # the target's LM-head rows (frozen, not saved): attach_lm_rows
         theta = float(config.get("rope_theta", 10000.0))
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
@@ -95,7 +87,7 @@ class EagleHead(PackedLinears, nn.Module):
 
     @staticmethod
     def make_config(target, draft_vocab_size: int, feature_layers: list[int] | None = None,
-                    intermediate_size: int | None = None, layout: str = "verispec", context_vocab: bool = False) -> dict:
+                    intermediate_size: int | None = None, layout: str = "verispec") -> dict:
         from verispec.heads import target_identity
 
         cfg = target.model.config
@@ -107,14 +99,10 @@ class EagleHead(PackedLinears, nn.Module):
                 "feature_layers": feature_layers or default_feature_layers(int(cfg.num_hidden_layers)),
                 "hidden_size": H, "num_heads": heads, "num_kv_heads": int(cfg.num_key_value_heads), "head_dim": head_dim,
                 "intermediate_size": int(intermediate_size or cfg.intermediate_size), "draft_vocab_size": int(draft_vocab_size),
-                "rope_theta": float(rope or 10000.0), "layout": layout, "context_vocab": bool(context_vocab)}
+                "rope_theta": float(rope or 10000.0), "layout": layout}
 
     def attach_embedding(self, weight: torch.Tensor) -> None:
         self.embed = weight.detach()
-
-    def attach_lm_rows(self, weight: torch.Tensor) -> None:
-        """The target's LM-head weight [V, H], whose rows score the context tokens (context_vocab heads)."""
-        self.lm_rows = weight.detach()
 
     # the pieces shared by inference (drafter below) and training (train/loops.py)
     def project(self, features: torch.Tensor) -> torch.Tensor:
@@ -148,14 +136,9 @@ class EagleHead(PackedLinears, nn.Module):
         gate, up = self.lins(("gate", "up"), self.ln2(x))
         return x + self.lin("down", F.silu(gate) * up)
 
-    def logits(self, h: torch.Tensor, ctx: ContextTokens | None = None) -> torch.Tensor:
-        """-> logits over the draft vocabulary (index i is target token d2t[i]), then over the context
-        tokens `ctx` where the head takes them (index Vd + e is ctx.ids[e])."""
-        normed = self.norm(h)
-        out = self.lin("lm_head", normed).float()
-        if ctx is None or not self.context_vocab:
-            return out
-        return torch.cat([out, context_logits(normed, ctx, CONTEXT_BIAS_SCALE * self.ctx_bias)], dim=-1)
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """-> logits over the draft vocabulary (index i is target token d2t[i])."""
+        return self.lin("lm_head", self.norm(h)).float()
 
 
 def load_eagle_head(target, head: str | Path | None = None, device=None) -> EagleHead:
@@ -179,8 +162,6 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.d2t = head.d2t.to(self.device)
-        rows = head.lm_rows if head.context_vocab else None
-        self.init_context_tokens(None if rows is None else rows.to(self.device, weights_dtype or self.dtype))
         self.params, self.generator = SamplingParams(), None
         self.prune = True  # dynamic trees: stop expanding once no deeper node can be kept (same tree, less work)
         self.K = torch.zeros(head.n_kv, 0, head.head_dim, dtype=self.dtype, device=self.device)
@@ -195,7 +176,6 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
     def reset(self) -> None:
         self.n = 0                       # committed entries in the head's cache (positions 0..n-1)
         self.clear_features()
-        self.forget_context_tokens()
         self.h_last: torch.Tensor | None = None  # head output at position n-1
 
     def observe(self, result: StepResult) -> None:
@@ -229,7 +209,6 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
     def sync(self, context: list[int]) -> torch.Tensor | None:
         """Append the committed entries the new features allow -> the head output at the last one
         (position len(context) - 2, whose logits give the first draft token), or None without features."""
-        self.grow_context_tokens(context)
         feats = self.take_features()
         if feats is not None:
             start, end = self.n, self.n + int(feats.shape[0])
@@ -268,7 +247,7 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
         self.scratch = self.n
         tokens, probs, slots = [], [], []
         for depth in range(1, k + 1):
-            x, q = self.choose(self.head.logits(h, self.ctx))
+            x, q = self.choose(self.head.logits(h))
             tokens.append(x)
             probs.append(q)
             if depth < k:
@@ -297,4 +276,4 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
             self._slot[c], self._out[c] = first + r, h[r]
 
     def child_logits(self, cands: list[Candidate], nodes: list[int]) -> torch.Tensor:
-        return self.head.logits(torch.stack([self._out[c] for c in nodes]), self.ctx)
+        return self.head.logits(torch.stack([self._out[c] for c in nodes]))

@@ -7,7 +7,6 @@ tree children's for the tree builder, tree.build).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -132,81 +131,7 @@ def load_module(target, kind: str, cls, head: str | Path | None = None, device=N
         raise HeadMismatch(f"the {kind} head at '{path}' does not fit its config (missing {missing}, unexpected {unexpected})")
     if embed:
         module.attach_embedding(target.model.get_input_embeddings().weight)
-    if getattr(module, "context_vocab", False):
-        module.attach_lm_rows(target.model.get_output_embeddings().weight)
     return module.to(device or target.device).eval()
-
-
-class ContextTokens(NamedTuple):
-    """Tokens of the context outside a head's static draft vocabulary, appended to it as extra columns.
-
-    A reduced draft vocabulary (FR-Spec, EAGLE-3) keeps the head's LM head small, but the tokens a chat
-    answer copies from its prompt (names, numbers, rare words) are often outside it, and where the target is
-    surest of its next token such copies are common. Their logits come from the target's own LM-head rows
-    (no trained weights, so any token the context holds can be drafted) plus the head's learned offset.
-    ids [E] (inference) or [B, E] (training batches; padding repeats a real id and is never visible);
-    rows [E, H] / [B, E, H] the target's LM-head rows of those ids; visible [B, Q, E] (training) which
-    of them query q has seen, None: all."""
-
-    ids: torch.Tensor
-    rows: torch.Tensor
-    visible: torch.Tensor | None = None
-
-
-MAX_CONTEXT_TOKENS = 1024  # a generation's extra columns at most (the first seen are kept)
-
-
-def context_logits(normed: torch.Tensor, ctx: ContextTokens, bias: torch.Tensor) -> torch.Tensor:
-    """The extra columns' logits: normed [..., Q, H] (the head's final-normed state) -> [..., Q, E] in
-    float32, -inf where a query has not seen the token."""
-    out = (normed.to(ctx.rows.dtype) @ ctx.rows.transpose(-1, -2)).float() + bias.float()
-    return out if ctx.visible is None else out.masked_fill(~ctx.visible, float("-inf"))
-
-
-def batch_context_tokens(tok: torch.Tensor, anchors: torch.Tensor, t2d: torch.Tensor, lm_rows: torch.Tensor,
-                         ) -> ContextTokens:
-    """Training: per sequence of tok [B, S], its tokens outside the draft vocabulary (t2d[id] < 0), each
-    visible to the query anchors t [B, Q] where it occurs at or before t + 1 (the tokens a drafter at
-    anchor t has been handed: the committed ones) -> ContextTokens with ids [B, E], rows [B, E, H]."""
-    B, S = tok.shape
-    pos = torch.arange(S, device=tok.device)
-    per_row = []
-    for b in range(B):
-        outside = t2d[tok[b]] < 0
-        ids, inv = tok[b][outside].unique(return_inverse=True)
-        first = torch.full((ids.numel(),), S, dtype=torch.long, device=tok.device)
-        first.scatter_reduce_(0, inv, pos[outside], reduce="amin")
-        per_row.append((ids, first))
-    E = max(1, max(ids.numel() for ids, _ in per_row))
-    ids = torch.zeros(B, E, dtype=torch.long, device=tok.device)
-    first = torch.full((B, E), S + 1, dtype=torch.long, device=tok.device)  # padding: seen after every anchor
-    for b, (i, f) in enumerate(per_row):
-        ids[b, : i.numel()], first[b, : f.numel()] = i, f
-        ids[b, i.numel():] = i[0] if i.numel() else 0
-    visible = first[:, None, :] <= anchors[:, :, None] + 1
-    return ContextTokens(ids, lm_rows[ids], visible)
-
-
-def draft_index(ids: torch.Tensor, t2d: torch.Tensor, vd: int, ctx: ContextTokens | None) -> torch.Tensor:
-    """Target ids [B, Q, k] -> their draft columns: t2d's (the static vocabulary of vd columns), else
-    vd + the context token's index where the query has seen it; -1 where no column drafts them."""
-    d = t2d[ids]
-    if ctx is None:
-        return d
-    match = ids[..., None] == ctx.ids[:, None, None, :]
-    if ctx.visible is not None:
-        match &= ctx.visible[:, :, None, :]
-    extra = torch.where(match.any(-1), vd + match.int().argmax(-1), -1)
-    return torch.where(d >= 0, d, extra)
-
-
-def target_ids(columns: torch.Tensor, d2t: torch.Tensor, ctx: ContextTokens | None) -> torch.Tensor:
-    """Draft columns [B, Q] -> target ids (training batches)."""
-    if ctx is None:
-        return d2t[columns]
-    Vd = d2t.numel()
-    extra = ctx.ids.gather(1, (columns - Vd).clamp_min(0))
-    return torch.where(columns < Vd, d2t[columns.clamp_max(Vd - 1)], extra)
 
 
 class HeadDrafting(Drafter):
@@ -218,34 +143,6 @@ class HeadDrafting(Drafter):
     d2t: torch.Tensor
     params: SamplingParams
     generator: torch.Generator | None
-
-    def init_context_tokens(self, lm_rows: torch.Tensor | None) -> None:
-        """Once, after self.d2t is the static vocabulary: lm_rows, the target's LM-head rows in the drafting
-        dtype, lets the drafter append the context's tokens outside that vocabulary (ContextTokens) to
-        its columns; None drafts the static vocabulary only."""
-        self.static_d2t, self.lm_rows = self.d2t, lm_rows
-        self._static_ids = set(self.d2t.tolist()) if lm_rows is not None else set()
-        self.forget_context_tokens()
-
-    def forget_context_tokens(self) -> None:
-        """A new generation: the columns are the static vocabulary again."""
-        self.d2t, self.ctx, self._scanned, self._extra = self.static_d2t, None, 0, {}
-
-    def grow_context_tokens(self, context: list[int]) -> None:
-        """Append the tokens of `context` not scanned yet that no column drafts (up to MAX_CONTEXT_TOKENS)."""
-        if self.lm_rows is None:
-            return
-        add = [t for t in dict.fromkeys(context[self._scanned:]) if t not in self._static_ids and t not in self._extra]
-        self._scanned = len(context)
-        add = add[: MAX_CONTEXT_TOKENS - len(self._extra)]
-        if not add:
-            return
-        self._extra.update(dict.fromkeys(add))
-        new = torch.tensor(add, dtype=torch.long, device=self.static_d2t.device)
-        rows = self.lm_rows[new]
-        self.ctx = ContextTokens(new, rows) if self.ctx is None else ContextTokens(
-            torch.cat([self.ctx.ids, new]), torch.cat([self.ctx.rows, rows]))
-        self.d2t = torch.cat([self.static_d2t, self.ctx.ids])
 
     def full_logits(self, lg: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf elsewhere)."""

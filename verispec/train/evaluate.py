@@ -54,19 +54,15 @@ def teacher_forced(target, kind: str, module, sequences: list[tuple[list[int], l
     """sequences: (prompt ids, a continuation) -> per sequence with >= 2 continuation tokens, (tokens [n],
     the target's logits [n, V] over the whole sequence, anchors [A], the head's logits per draft step, each
     [A, C], the target id of each of the C columns [C]): step j at anchor t drafts the token at t + j + 1.
-    A context_vocab head's columns past its static vocabulary are the sequence's own tokens outside it, each
-    open to the anchors that have seen it (as at inference). EAGLE: the training-time
-    unroll on the module as it drafts (its packed copies when packed), so step j reads the true tokens and
-    the head's own step j-1 output; Medusa: head j reads the target's state at the anchor; dflash: the
-    block forward of train/loops.py (block_logits_for_anchors) at every anchor, so step j is block
-    position j."""
+    EAGLE: the training-time unroll on the module as it drafts (its packed copies when packed), so step j
+    reads the true tokens and the head's own step j-1 output; Medusa: head j reads the target's state at
+    the anchor; dflash: the block forward of train/loops.py (block_logits_for_anchors) at every anchor, so
+    step j is block position j."""
     from verispec.drafters.dflash import block_logits_for_anchors
-    from verispec.drafters.head_parts import batch_context_tokens
     from verispec.backends import make_runner
-    from verispec.train.loops import _vocab_maps, eagle_unroll
+    from verispec.train.loops import eagle_unroll
 
     runner = make_runner(target.model, "auto", exact=False)  # the options go to the fast runner only
-    t2d = _vocab_maps(module.d2t.cpu(), target.vocab_size).to(module.d2t.device)
     for prompt, answer in sequences:
         seq = prompt + answer
         n, pl = len(seq), len(prompt)
@@ -77,20 +73,15 @@ def teacher_forced(target, kind: str, module, sequences: list[tuple[list[int], l
         feats = out.features[None].float()
         tok = torch.tensor([seq], device=target.device)
         anchors = torch.arange(pl - 1, n - 1, device=target.device)[None]  # anchor pl - 1: the first draft
-        columns = module.d2t
         if kind == "eagle":
-            ctx = None
-            if getattr(module, "context_vocab", False):
-                ctx = batch_context_tokens(tok, anchors, t2d, module.lm_rows)
-                columns = torch.cat([module.d2t, ctx.ids[0]])
-            logits = [lg[0] for lg in eagle_unroll(module, tok, feats, steps, anchors, ctx)]
+            logits = [lg[0] for lg in eagle_unroll(module, tok, feats, steps, anchors)]
         elif kind == "dflash":
             lg = block_logits_for_anchors(module, tok, feats, anchors)[0]  # [A, B-1, Vd]
             logits = [lg[:, j] for j in range(lg.shape[1])]
         else:
             lg = module(feats[0, anchors[0]])  # [A, K, Vd]
             logits = [lg[:, j] for j in range(lg.shape[1])]
-        yield tok[0], out.logits, anchors[0], logits, columns
+        yield tok[0], out.logits, anchors[0], logits, module.d2t
 
 
 def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], list[int]]], steps: int = 6) -> list[list[int]]:
@@ -137,8 +128,6 @@ def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], m
 
     if kind == "eagle":
         module.attach_embedding(target.model.get_input_embeddings().weight)
-        if module.context_vocab:
-            module.attach_lm_rows(target.model.get_output_embeddings().weight)
         make = lambda: EagleDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
         tree = DynamicTree(budget=tree_budget, depth=steps)
     elif kind == "dflash":

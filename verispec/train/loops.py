@@ -35,23 +35,22 @@ from pathlib import Path
 
 import torch
 
-from verispec.drafters.head_parts import ContextTokens, batch_context_tokens, draft_index, target_ids
 from verispec.train import distributed
 from verispec.train.extract import FeatureSet
 
 
 def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor, t2d: torch.Tensor,
-            d2t: torch.Tensor, ctx: ContextTokens | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [..., Vd] (then [B, Q, E] context columns with ctx); the target's top-k ids/probs [..., k]
-    (target ids); mask [...] -> (summed loss, summed top-1 agreement, count)."""
-    d = draft_index(ids, t2d, d2t.numel(), ctx)  # [..., k] draft column or -1
+            d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [..., Vd]; the target's top-k ids/probs [..., k] (target ids); mask [...] ->
+    (summed loss, summed top-1 agreement, count)."""
+    d = t2d[ids]  # [..., k] draft index or -1
     p = probs * (d >= 0)
     total = p.sum(-1)
     valid = mask & (total > 0)
     p = p / total.clamp_min(1e-9)[..., None]
     logp = logits.log_softmax(-1).gather(-1, d.clamp_min(0))
     loss = -(p * logp).sum(-1)
-    agree = target_ids(logits.argmax(-1), d2t, ctx) == ids[..., 0]
+    agree = d2t[logits.argmax(-1)] == ids[..., 0]
     v = valid.float()
     return (loss * v).sum(), (agree.float() * v).sum(), v.sum()
 
@@ -76,11 +75,10 @@ def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
 
 
-def eagle_unroll(head, tok, feats, steps: int, anchors: torch.Tensor | None = None, ctx: ContextTokens | None = None):
+def eagle_unroll(head, tok, feats, steps: int, anchors: torch.Tensor | None = None):
     """The training-time-test forward. tok [B, S], feats [B, S, F]; anchors [B, Q] (absolute positions,
-    default every position with a next token); ctx: the context tokens as extra columns (a context_vocab
-    head; batch_context_tokens) -> list of logits per step j, each [B, Q, Vd (+ E)]: step j at anchor t
-    predicts the target's distribution at position t + j (label index t + j).
+    default every position with a next token) -> list of logits per step j, each [B, Q, Vd]: step j at
+    anchor t predicts the target's distribution at position t + j (label index t + j).
 
     Step 1 computes the entries of every position < S - 1 (the keys: the whole prefix from position 0,
     as the drafter's cache holds at inference) and queries at the anchors only; deeper steps run at the
@@ -98,7 +96,7 @@ def eagle_unroll(head, tok, feats, steps: int, anchors: torch.Tensor | None = No
     x = _rows(x, anchors)
     q, _, _ = head.qkv(x, anchors)
     h = head.finish(x, _manual_attention(q, k1, v1, visible, [], []))
-    out = [head.logits(h, ctx)]
+    out = [head.logits(h)]
     dk, dv = [], []
     for j in range(2, steps + 1):
         x = head.inputs(_rows(tok, (anchors + j).clamp_max(S - 1)), h)  # token t + j with the step j-1 output
@@ -106,7 +104,7 @@ def eagle_unroll(head, tok, feats, steps: int, anchors: torch.Tensor | None = No
         dk.append(k.repeat_interleave(rep, 1))
         dv.append(v.repeat_interleave(rep, 1))
         h = head.finish(x, _manual_attention(q, k1, v1, visible, dk, dv))
-        out.append(head.logits(h, ctx))
+        out.append(head.logits(h))
     return out
 
 
@@ -248,15 +246,12 @@ def train_eagle(head, data: FeatureSet, vocab: int, work: Path, steps: int = 200
     trainer = Trainer(head, data, vocab, work, steps, batch_size, seq_len, lr, seed, device, log, save_every, progress,
                       max_seconds, autocast)
 
-    rows = head.lm_rows.to(device) if head.context_vocab else None
-
     def loss_fn(batch):
-        ctx = None if rows is None else batch_context_tokens(batch["tokens"], batch["anchors"], trainer.t2d, rows)
         outs = eagle_unroll(head, batch["tokens"], batch["feats"].index_select(-1, cols).float(), ttt_steps,
-                            batch["anchors"], ctx)
+                            batch["anchors"])
         total, agree = 0.0, []
         for j, lg in enumerate(outs, start=1):
-            s, a, n = soft_ce(lg, *shifted_labels(batch, j), trainer.t2d, trainer.d2t, ctx)
+            s, a, n = soft_ce(lg, *shifted_labels(batch, j), trainer.t2d, trainer.d2t)
             a, n = distributed.total(a), distributed.total(n)  # the global batch's counts
             total = total + (0.8 ** (j - 1)) * s * distributed.world() / n.clamp_min(1)
             agree.append(float(a / n.clamp_min(1)))

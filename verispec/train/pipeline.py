@@ -60,7 +60,6 @@ class TrainConfig:
     max_positions: int | None = None # train on the first feature shards up to this many positions (a
                                      # learning curve's point); its training state is kept apart
     heldout_share: float = 0.05      # of every source's records, never trained on (data.split_heldout)
-    context_vocab: bool = False      # EAGLE: the context's tokens outside the draft vocabulary as extra columns
     init: str | None = None          # a trained head folder whose weights start the training
     eval_prompts: int = 4            # held-out prompts per task (held-out sources and Spec-Bench tasks)
     eval_bench: int = 2              # Spec-Bench questions per task in the held-out figures (0: none)
@@ -78,8 +77,6 @@ def _check(cfg: TrainConfig) -> None:
                  "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise InvalidParameter(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.context_vocab and cfg.kind != "eagle":
-        raise InvalidParameter(f"context-vocab is an EAGLE head option; a {cfg.kind} head does not take it")
     if cfg.init is not None and not Path(cfg.init).is_dir():
         raise InvalidParameter(f"init: no head folder at '{cfg.init}'; give a folder with config.json and model.safetensors")
     if cfg.head_intermediate is not None and cfg.kind != "eagle":
@@ -187,16 +184,14 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     lm = target.model.get_output_embeddings().weight.detach().float().cpu()
     if cfg.kind in ("eagle", "dflash"):
-        module = (EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout, intermediate_size=cfg.head_intermediate,
-                                                  context_vocab=cfg.context_vocab)) if cfg.kind == "eagle" else
+        module = (EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout,
+                                                        intermediate_size=cfg.head_intermediate)) if cfg.kind == "eagle" else
                   BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers)))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
             module.lm_head.weight.copy_(lm[d2t])
             module.norm.weight.copy_(final_norm_scale(target.model))
         module.attach_embedding(target.model.get_input_embeddings().weight.detach().float().cpu())
-        if cfg.kind == "eagle" and cfg.context_vocab:
-            module.attach_lm_rows(lm)
     else:
         module = MedusaHeads(MedusaHeads.make_config(target, d2t.numel(), cfg.medusa_heads))
         module.d2t.copy_(d2t)
@@ -205,8 +200,6 @@ def run(cfg: TrainConfig, log=print) -> dict:
     state = cfg.kind + ("-eagle3" if cfg.kind == "eagle" and cfg.layout == "eagle3" else "")  # another layer, another state
     if cfg.head_intermediate:  # another width, another state
         state += f"-mlp{cfg.head_intermediate}"
-    if cfg.context_vocab:  # extra columns, another state
-        state += "-ctx"
     if cfg.init:
         start_from(module, Path(cfg.init), d2t, target)
         state += f"-from-{Path(cfg.init).name}"
@@ -260,9 +253,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
 
 def start_from(module, head: Path, d2t: torch.Tensor, target) -> None:
-    """Start training from the weights of a trained head of the same kind and shape (its own draft
-    vocabulary must be the one rebuilt here); parameters it lacks (a context_vocab head's offset from a head
-    without one) keep their initial values."""
+    """Start training from the weights of a trained head of the same kind and shape, whose draft vocabulary
+    is the one rebuilt here (a longer or a fine-tuning run on the records it was trained on)."""
     from verispec.heads import read_head
 
     config, tensors = read_head(head, module.config["kind"], target)
@@ -270,13 +262,10 @@ def start_from(module, head: Path, d2t: torch.Tensor, target) -> None:
         raise InvalidParameter(f"the head at '{head}' drafts another vocabulary than the one these records give; "
                                "train it from scratch, or from a head trained on the same records")
     try:
-        missing, unexpected = module.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                      for k, v in tensors.items()}, strict=False)
-    except RuntimeError as e:  # a tensor of another shape
-        raise InvalidParameter(f"the head at '{head}' has other sizes than the head being trained: {str(e).splitlines()[-1].strip()}")
-    if unexpected or any(k != "ctx_bias" for k in missing):
-        raise InvalidParameter(f"the head at '{head}' does not fit the head being trained (missing {missing}, "
-                               f"unexpected {unexpected}); give the same kind, layout and sizes")
+        module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+    except RuntimeError as e:  # other tensors or other shapes
+        raise InvalidParameter(f"the head at '{head}' does not fit the head being trained "
+                               f"({str(e).splitlines()[-1].strip()}); give a head of the same layout and sizes") from None
 
 
 def return_freed_memory() -> bool:
