@@ -40,6 +40,14 @@ def _bin_rows(p: torch.Tensor, top1: torch.Tensor, top4: torch.Tensor, oov: torc
     return rows
 
 
+def _summary(step: int, parts: list[tuple[torch.Tensor, ...]]) -> dict:
+    """Per-sequence (p, top1, top4, oov) tensors of one draft step -> its figures, overall and by bin of p."""
+    p, top1, top4, oov = (torch.cat(x) for x in zip(*parts))
+    return {"step": step, "positions": p.numel(), "top1": round(float(top1.float().mean()), 4),
+            "top4": round(float(top4.float().mean()), 4), "oov": round(float(oov.float().mean()), 4),
+            "mean_p": round(float(p.mean()), 4), "by_p": _bin_rows(p, top1, top4, oov)}
+
+
 def main() -> None:
     ap = options(__doc__, dtype="bfloat16", threads=None, json=None)
     ap.add_argument("--kind", default="eagle", choices=["eagle", "medusa", "dflash"])
@@ -95,25 +103,16 @@ def main() -> None:
                                         t2d[want.cpu()] < 0))  # outside the static vocabulary
         if per_step is None:
             continue
-        steps = []
-        for j, parts in enumerate(per_step, start=1):
-            p, top1, top4, oov = (torch.cat(x) for x in zip(*parts))
-            steps.append({"step": j, "positions": p.numel(), "top1": round(float(top1.float().mean()), 4),
-                          "top4": round(float(top4.float().mean()), 4), "oov": round(float(oov.float().mean()), 4),
-                          "mean_p": round(float(p.mean()), 4), "by_p": _bin_rows(p, top1, top4, oov)})
-            if len(every) < j:
+        steps = [_summary(j, parts) for j, parts in enumerate(per_step, start=1)]
+        for j, parts in enumerate(per_step):
+            if len(every) <= j:
                 every.append([])
-            every[j - 1].append((p, top1, top4, oov))
+            every[j].extend(parts)
         out["tasks"][task] = {"sequences": len(seqs), "steps": steps}
         s1 = steps[0]
         print(f"{task:28s} step 1: top-1 {s1['top1']:.3f} top-4 {s1['top4']:.3f} target's mean p {s1['mean_p']:.3f} "
               f"oov {s1['oov']:.3f} ({s1['positions']} positions)")
-    overall = []
-    for j, parts in enumerate(every, start=1):
-        p, top1, top4, oov = (torch.cat(x) for x in zip(*parts))
-        overall.append({"step": j, "positions": p.numel(), "top1": round(float(top1.float().mean()), 4),
-                        "top4": round(float(top4.float().mean()), 4), "oov": round(float(oov.float().mean()), 4),
-                        "mean_p": round(float(p.mean()), 4), "by_p": _bin_rows(p, top1, top4, oov)})
+    overall = [_summary(j, parts) for j, parts in enumerate(every, start=1)]
     out["overall"] = overall
     print("overall, step 1, by the target's top-1 probability p:")
     for r in overall[0]["by_p"]:
