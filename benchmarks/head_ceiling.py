@@ -8,13 +8,13 @@ draft-vocabulary logits. Reported per draft step, overall and per bin of p:
   - the share of positions in the bin,
   - top-1 agreement (the head's argmax is the target's) and top-4 (the target's token is among the head's
     four best: what a tree of width 4 can offer at that node),
-  - the share of labels outside the draft vocabulary (no head can draft them).
+  - the share of labels outside the draft vocabulary (no head with that vocabulary can draft them).
 A head limited by its data or capacity misses where the target is sure; a head limited by the target's own
 uncertainty misses where p is low, and the bins' shares then bound what any cheap drafter of this target
 can reach for greedy decoding.
 
     python benchmarks/head_ceiling.py --kind eagle --work .verispec-train/v8 --per-source 40 --bench 4 \
-        --threads 2 --json results/cpu/eagle-ceiling-shipped-zen4.json
+        --threads 1 --json results/cpu/eagle-ceiling-shipped-zen4.json
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
                 p, want = probs[at].max(-1)
                 guess = columns.cpu()[lg[ok].topk(4, dim=-1).indices.cpu()]
                 per_step[j - 1].append((p.cpu(), (guess[:, 0] == want.cpu()), (guess == want.cpu()[:, None]).any(-1),
-                                        t2d[want.cpu()] < 0))  # outside the static vocabulary
+                                        t2d[want.cpu()] < 0))  # outside the draft vocabulary
         if per_step is None:
             continue
         steps = [_summary(j, parts) for j, parts in enumerate(per_step, start=1)]
