@@ -89,7 +89,7 @@ def main() -> None:
     every = []
     for task, seqs in sets.items():
         per_step = None
-        for tok, logits, anchors, drafts, columns in teacher_forced(target, a.kind, module, seqs, a.steps):
+        for tok, logits, anchors, drafts in teacher_forced(target, a.kind, module, seqs, a.steps):
             n = tok.numel()
             per_step = per_step or [[] for _ in drafts]
             probs = logits.float().softmax(-1)
@@ -98,7 +98,7 @@ def main() -> None:
                 ok = at < n  # step j reads the true token at anchor + j
                 at = at[ok]
                 p, want = probs[at].max(-1)
-                guess = columns.cpu()[lg[ok].topk(4, dim=-1).indices.cpu()]
+                guess = module.d2t.cpu()[lg[ok].topk(4, dim=-1).indices.cpu()]
                 per_step[j - 1].append((p.cpu(), (guess[:, 0] == want.cpu()), (guess == want.cpu()[:, None]).any(-1),
                                         t2d[want.cpu()] < 0))  # outside the draft vocabulary
         if per_step is None:

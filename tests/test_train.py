@@ -279,7 +279,7 @@ def test_training_starts_from_a_trained_head_of_the_same_shape_only(tiny, datase
 def test_teacher_forced_drafts_every_answer_position_against_the_targets_own_logits(tiny, dataset, kind):
     """evaluate.teacher_forced (head_ceiling.py, top1_by_step): the target's logits over the whole sequence
     are a plain forward's (their argmax is the greedy answer), anchors run from the last prompt token, each
-    step gives logits over the head's columns, and top1_by_step counts what those logits agree on."""
+    step gives logits over the head's draft vocabulary, and top1_by_step counts what those logits agree on."""
     from verispec.train.evaluate import teacher_forced, top1_by_step
 
     records, _, _ = dataset
@@ -293,7 +293,7 @@ def test_teacher_forced_drafts_every_answer_position_against_the_targets_own_log
     got = list(teacher_forced(tiny, kind, module, seqs, steps=3))
     assert len(got) == 3
     counts = [[0, 0] for _ in range(3)]
-    for (prompt, answer), (tok, logits, anchors, drafts, columns) in zip(seqs, got):
+    for (prompt, answer), (tok, logits, anchors, drafts) in zip(seqs, got):
         n, pl = len(prompt) + len(answer), len(prompt)
         assert tok.tolist() == prompt + answer
         with torch.no_grad():
@@ -301,10 +301,10 @@ def test_teacher_forced_drafts_every_answer_position_against_the_targets_own_log
         torch.testing.assert_close(logits.float(), want.float(), atol=1e-3, rtol=1e-3)
         assert logits[pl - 1: n - 1].argmax(-1).tolist() == answer[: n - pl]  # the answers are greedy
         assert anchors.tolist() == list(range(pl - 1, n - 1)) and len(drafts) == 3
-        assert all(d.shape == (n - pl, columns.numel()) for d in drafts) and torch.equal(columns, module.d2t)
+        assert all(d.shape == (n - pl, module.d2t.numel()) for d in drafts)
         for j, d in enumerate(drafts, start=1):
             ok = anchors + j + 1 < n
-            counts[j - 1][0] += int(((columns[d.argmax(-1)] == tok[(anchors + j + 1).clamp_max(n - 1)]) & ok).sum())
+            counts[j - 1][0] += int(((module.d2t[d.argmax(-1)] == tok[(anchors + j + 1).clamp_max(n - 1)]) & ok).sum())
             counts[j - 1][1] += int(ok.sum())
     assert top1_by_step(tiny, kind, module, seqs, steps=3) == counts
 

@@ -52,8 +52,8 @@ def evaluate_tau(target, drafter, prompts: list, max_new_tokens: int = 64, draft
 @torch.inference_mode()
 def teacher_forced(target, kind: str, module, sequences: list[tuple[list[int], list[int]]], steps: int = 6):
     """sequences: (prompt ids, a continuation) -> per sequence with >= 2 continuation tokens, (tokens [n],
-    the target's logits [n, V] over the whole sequence, anchors [A], the head's logits per draft step, each
-    [A, C], the target id of each of the C columns [C]): step j at anchor t drafts the token at t + j + 1.
+    the target's logits [n, V] over the whole sequence, anchors [A], the head's draft-vocabulary logits per
+    draft step, each [A, Vd]): step j at anchor t drafts the token at t + j + 1.
     EAGLE: the training-time unroll on the module as it drafts (its packed copies when packed), so step j
     reads the true tokens and the head's own step j-1 output; Medusa: head j reads the target's state at
     the anchor; dflash: the block forward of train/loops.py (block_logits_for_anchors) at every anchor, so
@@ -81,7 +81,7 @@ def teacher_forced(target, kind: str, module, sequences: list[tuple[list[int], l
         else:
             lg = module(feats[0, anchors[0]])  # [A, K, Vd]
             logits = [lg[:, j] for j in range(lg.shape[1])]
-        yield tok[0], out.logits, anchors[0], logits, module.d2t
+        yield tok[0], out.logits, anchors[0], logits
 
 
 def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], list[int]]], steps: int = 6) -> list[list[int]]:
@@ -89,13 +89,13 @@ def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], lis
     step j at anchor t is right when the head's argmax is the continuation's token at t + j + 1."""
     depth = {"eagle": steps, "medusa": getattr(module, "num_heads", 0), "dflash": getattr(module, "block_size", 1) - 1}[kind]
     counts = [[0, 0] for _ in range(depth)]
-    for tok, _, anchors, logits, columns in teacher_forced(target, kind, module, sequences, steps):
+    for tok, _, anchors, logits in teacher_forced(target, kind, module, sequences, steps):
         n = tok.numel()
         for j, lg in enumerate(logits, start=1):
             label_pos = anchors + j + 1
             ok = label_pos < n
             want = tok[label_pos.clamp_max(n - 1)]
-            counts[j - 1][0] += int(((columns[lg.argmax(-1)] == want) & ok).sum())
+            counts[j - 1][0] += int(((module.d2t[lg.argmax(-1)] == want) & ok).sum())
             counts[j - 1][1] += int(ok.sum())
     return counts
 

@@ -257,7 +257,7 @@ def start_from(module, head: Path, d2t: torch.Tensor, target) -> None:
     is the one rebuilt here (a longer or a fine-tuning run on the records it was trained on)."""
     from verispec.heads import read_head
 
-    config, tensors = read_head(head, module.config["kind"], target)
+    _, tensors = read_head(head, module.config["kind"], target)
     if "d2t" in tensors and not torch.equal(tensors["d2t"].long(), d2t.long()):
         raise InvalidParameter(f"the head at '{head}' drafts another vocabulary than the one these records give; "
                                "train it from scratch, or from a head trained on the same records")
