@@ -18,12 +18,12 @@ from verispec.types import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_eagle(target, seed: int = 1, vocab: int | None = None) -> EagleHead:
+def random_eagle(target, seed: int = 1, vocab: int | None = None, layers: int = 1) -> EagleHead:
     """A randomly initialised EAGLE head with a draft vocabulary of the first `vocab` ids, shuffled."""
     torch.manual_seed(seed)
     V = target.vocab_size
     vd = vocab or V
-    head = EagleHead(EagleHead.make_config(target, vd))
+    head = EagleHead(EagleHead.make_config(target, vd, num_layers=layers))
     head.d2t.copy_(torch.randperm(V)[:vd])
     with torch.no_grad():
         head.lm_head.weight.mul_(20.0)  # confident random drafts: long wrong chains exercise rollback
@@ -111,6 +111,44 @@ def test_packed_eagle_head_drafts_like_its_parameters(tiny, plain_outputs, dtype
     engine = Engine.for_model(tiny, drafter, draft_length=4, tree="dynamic", backend="fast")
     for prompt, expect in zip(PROMPTS, plain_outputs["fast"]):
         assert engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW)).token_ids == expect
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_deeper_eagle_head_drafts_exactly(tiny, plain_outputs, dtype):
+    """An EAGLE head with layers after the first (--head-layers): each layer runs from its own packed copies
+    and its own cache; what it drafts (chains and trees) changes with the later layers, the drafts stay
+    those of its parameters to the dtype's rounding, and the output equals plain decoding's."""
+    import copy
+
+    deep = random_eagle(tiny, vocab=24, layers=3)
+    assert len(deep.layers) == 2
+    shallow = copy.deepcopy(deep)
+    shallow.layers = torch.nn.ModuleList()
+    shallow.num_layers = 1
+    ctx = PROMPTS[2]
+    feats = torch.randn(len(ctx) - 1, deep.fc.in_features)
+
+    def drafts(head, weights_dtype):
+        d = EagleDrafter(head, tiny.vocab_size, weights_dtype=weights_dtype)
+        d.begin(ctx, SamplingParams(), None)
+        d.observe_features(feats)
+        with torch.no_grad():
+            return d.head.logits(d.sync(ctx)), d.propose(ctx, 4).tokens.tolist()
+
+    want, chain = drafts(copy.deepcopy(deep), None)
+    other, _ = drafts(shallow, None)
+    assert not torch.allclose(want, other, atol=1e-3)  # the later layers take part
+    got, _ = drafts(copy.deepcopy(deep), dtype)
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * float(want.abs().max())
+    assert torch.allclose(got, want, atol=tol, rtol=0), float((got - want).abs().max())
+    packed = EagleDrafter(deep, tiny.vocab_size, weights_dtype=dtype)
+    assert dtype == torch.float32 or ("layers.1.q", "layers.1.k", "layers.1.v") in deep._packed
+    for tree in (None, DynamicTree(budget=8)):
+        engine = Engine.for_model(tiny, packed, draft_length=4, tree=tree, backend="fast")
+        for prompt, expect in zip(PROMPTS, plain_outputs["fast"]):
+            got = engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW))
+            assert got.token_ids == expect, (tree, prompt)
+            assert got.stats.drafted > 0
 
 
 @pytest.mark.parametrize("quantized", [False, True])

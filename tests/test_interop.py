@@ -166,6 +166,10 @@ def test_refusals(tiny, tmp_path):
         export_head(cfg, head.state_dict(), tmp_path / "x", "eagle3")
     with pytest.raises(HeadMismatch, match="unknown export format"):
         export_head(dict(head.config), head.state_dict(), tmp_path / "x", "onnx")
+    # a head with layers after the first (--head-layers) has no one-layer EAGLE-3 form
+    deep = EagleHead(dict(head.config, num_layers=2))
+    with pytest.raises(HeadMismatch, match="has 2 layers.*--head-layers 1"):
+        export_head(dict(deep.config), deep.state_dict(), tmp_path / "x", "speculators", embedding=emb)
     out = export_head(dict(head.config), head.state_dict(), tmp_path / "s", "speculators", embedding=emb, dtype=torch.float32)
     meta = json.loads((out / "config.json").read_text())
     for key, value, msg in [("norm_output", True, "norm_output"), ("fc_norm", True, "fc_norm"),

@@ -37,10 +37,10 @@ def dataset(tiny, tmp_path_factory):
     return records, FeatureSet(paths), layers
 
 
-def _eagle(tiny, records, vocab=32, seed=0, layout="verispec"):
+def _eagle(tiny, records, vocab=32, seed=0, layout="verispec", layers=1):
     torch.manual_seed(seed)
     d2t = build_draft_vocab(records, vocab, V)
-    head = EagleHead(EagleHead.make_config(tiny, d2t.numel(), layout=layout))
+    head = EagleHead(EagleHead.make_config(tiny, d2t.numel(), layout=layout, num_layers=layers))
     head.d2t.copy_(d2t)
     head.attach_embedding(tiny.model.get_input_embeddings().weight)
     return head
@@ -142,11 +142,12 @@ def test_a_resumed_training_counts_the_time_before_it(tiny, dataset, tmp_path):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("layout", ["verispec", "eagle3"])
-def test_training_time_test_matches_inference(tiny, dataset, layout):
-    """The unrolled training forward computes what the drafter computes when it drafts a chain."""
+@pytest.mark.parametrize("layout,layers", [("verispec", 1), ("eagle3", 1), ("eagle3", 3)])
+def test_training_time_test_matches_inference(tiny, dataset, layout, layers):
+    """The unrolled training forward computes what the drafter computes when it drafts a chain (also with
+    layers after the first, each with its own cache)."""
     records, data, _ = dataset
-    head = _eagle(tiny, records, layout=layout).eval()
+    head = _eagle(tiny, records, layout=layout, layers=layers).eval()
     seq = records[5]["prompt_ids"] + records[5]["answer_ids"]
     out = tiny.model(input_ids=torch.tensor([seq]), output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i] for i in head.feature_layers], -1)
@@ -181,7 +182,8 @@ def _drafter_logits(head, seq, feats, t, steps):
 
 
 @torch.inference_mode()
-def test_training_windows_see_the_whole_prefix(tiny, tmp_path):
+@pytest.mark.parametrize("head_layers", [1, 2])
+def test_training_windows_see_the_whole_prefix(tiny, tmp_path, head_layers):
     """A training window deep into a long sequence computes, at every anchor and unrolled step, what the
     drafter computes there at inference, where the head's cache holds every position from 0 (the
     windows of old started 16 tokens before the answer and failed this)."""
@@ -195,7 +197,7 @@ def test_training_windows_see_the_whole_prefix(tiny, tmp_path):
     L = tiny.model.config.num_hidden_layers
     layers = sorted(set(default_feature_layers(L)) | {L})
     data = FeatureSet(extract_features(tiny, records, tmp_path, layers, progress=False))
-    head = _eagle(tiny, records).eval()
+    head = _eagle(tiny, records, layers=head_layers).eval()
     cols = data.columns(head.feature_layers, 32)
     steps = 6
     batch = data.batch([0, 1, 2], seq_len=8, rng=torch.Generator().manual_seed(1))
@@ -275,6 +277,32 @@ def test_training_starts_from_a_trained_head_of_the_same_shape_only(tiny, datase
         start_from(wide, tmp_path / "a", saved.d2t, tiny)
 
 
+@torch.inference_mode()
+def test_a_deeper_head_grows_from_a_trained_one(tiny, dataset, tmp_path):
+    """--init with --head-layers above the saved head's: the first layer takes the saved weights, the new
+    layers start as identity, so the grown head drafts exactly what the saved one drafted (and training
+    moves on from there); a saved head deeper than the one being trained is refused."""
+    from verispec.errors import InvalidParameter
+    from verispec.train.pipeline import start_from
+
+    records, data, _ = dataset
+    saved = _eagle(tiny, records, seed=1, layout="eagle3")
+    save_head(tmp_path / "a", dict(saved.config), saved.state_dict(), dtype=torch.float32)
+    grown = _eagle(tiny, records, seed=2, layout="eagle3", layers=3)
+    start_from(grown, tmp_path / "a", saved.d2t, tiny)
+    assert grown.layers[1].q.weight.abs().sum() > 0  # the new layers keep their random attention ...
+    batch = data.batch([0, 1], seq_len=8, rng=torch.Generator().manual_seed(0))
+    cols = data.columns(saved.feature_layers, 32)
+    feats = batch["feats"].index_select(-1, cols).float()
+    want = eagle_unroll(saved.eval(), batch["tokens"], feats, 3, batch["anchors"])
+    got = eagle_unroll(grown.eval(), batch["tokens"], feats, 3, batch["anchors"])
+    for a, b in zip(got, want):  # ... but add nothing to the residual: the saved head's logits
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    save_head(tmp_path / "deep", dict(grown.config), grown.state_dict(), dtype=torch.float32)
+    with pytest.raises(InvalidParameter, match="does not fit"):
+        start_from(_eagle(tiny, records, layout="eagle3", layers=2), tmp_path / "deep", saved.d2t, tiny)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_teacher_forced_drafts_every_answer_position_against_the_targets_own_logits(tiny, dataset, kind):
     """evaluate.teacher_forced (head_ceiling.py, top1_by_step): the target's logits over the whole sequence
@@ -337,6 +365,10 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "a dflash head does not take it" in r.output
     r = CliRunner().invoke(app, ["train", "eagle", "--head-intermediate", "0"])
     assert r.exit_code == 2 and "head-intermediate must be >= 1" in r.output
+    r = CliRunner().invoke(app, ["train", "eagle", "--head-layers", "0"])
+    assert r.exit_code == 2 and "head-layers must be >= 1" in r.output
+    r = CliRunner().invoke(app, ["train", "medusa", "--head-layers", "2"])
+    assert r.exit_code == 2 and "a medusa head does not take it" in r.output
     r = CliRunner().invoke(app, ["train", "eagle", "--init", "/no/such/head"])
     assert r.exit_code == 2 and "init: no head folder at '/no/such/head'" in r.output
 

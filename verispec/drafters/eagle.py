@@ -1,4 +1,4 @@
-"""EAGLE-style drafter: one decoder layer that drafts from the target's own hidden features.
+"""EAGLE-style drafter: a decoder layer (or a few) that drafts from the target's own hidden features.
 
 The head (after EAGLE-3, Li et al. 2025): the target's hidden states from a low, a middle and a high
 layer are concatenated and projected (fc) to one feature g_t per position t; the decoder layer reads
@@ -6,13 +6,15 @@ inp([norm(embed(x_{t+1})), norm(g_t)]) (the NEXT token's embedding, taken from t
 embedding table) and its output h_t gives, through a norm and an LM head over a reduced draft
 vocabulary (the most frequent tokens of the training data, FR-Spec / EAGLE-3), the distribution of
 x_{t+2}. Drafting further, h_t itself stands in for the target feature of the drafted position.
+With `num_layers` > 1, plain decoder layers (norm, attention, MLP, each on the residual) follow the
+first one and h_t is the last one's output; every layer keeps its own keys and values.
 
 Two layouts of that layer: "verispec" (the default, the shipped heads) projects the concatenation to H
 with `inp` and feeds ln1 of it to attention, its residual the projection; "eagle3" is EAGLE-3's own
 first layer (attention reads the 2H concatenation, residual g_t), the form vLLM and SGLang load
 (heads/interop.py exports and imports it).
 
-Its KV cache keeps committed positions only: the entry of position t needs the target's feature of t
+Its KV cache (one per layer) keeps committed positions only: the entry of position t needs the target's feature of t
 and the token x_{t+1}, so after each verification the engine hands over the features of the accepted
 positions (Engine: drafter.observe_features) and the next proposal first appends their entries (one
 forward), then drafts in scratch slots past them, which the next proposal overwrites. Trees: the
@@ -78,6 +80,11 @@ class EagleHead(PackedLinears, nn.Module):
         self.gate = nn.Linear(H, inter, bias=False)
         self.up = nn.Linear(H, inter, bias=False)
         self.down = nn.Linear(inter, H, bias=False)
+        self.num_layers = int(config.get("num_layers", 1))
+        if self.num_layers < 1:
+            raise HeadMismatch(f"an eagle head has at least one layer, not {self.num_layers}")
+        self.layers = nn.ModuleList(DecoderLayer(H, self.n_heads, self.n_kv, self.head_dim, inter, eps)
+                                    for _ in range(self.num_layers - 1))  # the layers after the first
         self.lm_head = nn.Linear(H, vd, bias=False)
         self.register_buffer("d2t", torch.arange(vd, dtype=torch.long))
         theta = float(config.get("rope_theta", 10000.0))
@@ -87,7 +94,7 @@ class EagleHead(PackedLinears, nn.Module):
 
     @staticmethod
     def make_config(target, draft_vocab_size: int, feature_layers: list[int] | None = None,
-                    intermediate_size: int | None = None, layout: str = "verispec") -> dict:
+                    intermediate_size: int | None = None, layout: str = "verispec", num_layers: int = 1) -> dict:
         from verispec.heads import target_identity
 
         cfg = target.model.config
@@ -99,7 +106,7 @@ class EagleHead(PackedLinears, nn.Module):
                 "feature_layers": feature_layers or default_feature_layers(int(cfg.num_hidden_layers)),
                 "hidden_size": H, "num_heads": heads, "num_kv_heads": int(cfg.num_key_value_heads), "head_dim": head_dim,
                 "intermediate_size": int(intermediate_size or cfg.intermediate_size), "draft_vocab_size": int(draft_vocab_size),
-                "rope_theta": float(rope or 10000.0), "layout": layout}
+                "rope_theta": float(rope or 10000.0), "layout": layout, "num_layers": int(num_layers)}
 
     def attach_embedding(self, weight: torch.Tensor) -> None:
         self.embed = weight.detach()
@@ -118,27 +125,59 @@ class EagleHead(PackedLinears, nn.Module):
             return torch.cat([e, gn, gn if self.norm_before_residual else g], dim=-1)
         return self.lin("inp", torch.cat([e, gn], dim=-1))
 
-    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
-        """x [..., T, W] (from inputs), pos [..., T] -> q [..., nh, T, hd], k, v [..., nkv, T, hd] (rotated)."""
-        h = x[..., : -self.hidden] if self.layout == "eagle3" else self.ln1(x)
+    def _names(self, layer: int) -> str:
+        return "" if layer == 0 else f"layers.{layer - 1}."
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor, layer: int = 0):
+        """x [..., T, W] (layer 0: from inputs; later layers: the layer before's output), pos [..., T] ->
+        q [..., nh, T, hd], k, v [..., nkv, T, hd] (rotated)."""
+        if layer:
+            h = self.layers[layer - 1].ln1(x)
+        else:
+            h = x[..., : -self.hidden] if self.layout == "eagle3" else self.ln1(x)
         shape = x.shape[:-1]
-        q, k, v = self.lins(("q", "k", "v"), h)
+        p = self._names(layer)
+        q, k, v = self.lins((p + "q", p + "k", p + "v"), h)
         q = q.reshape(*shape, self.n_heads, self.head_dim).transpose(-3, -2)
         k = k.reshape(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
         v = v.reshape(*shape, self.n_kv, self.head_dim).transpose(-3, -2)
         tables = rotary(pos, self.inv_freq, q.dtype)
         return rotate(q, tables), rotate(k, tables), v
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x [..., T, W] (the layer input), attn [..., nh, T, hd] -> the layer output h [..., T, H]."""
-        r = x[..., -self.hidden:] if self.layout == "eagle3" else x
-        x = r + self.lin("o", attn.transpose(-3, -2).reshape(*x.shape[:-1], -1))
-        gate, up = self.lins(("gate", "up"), self.ln2(x))
-        return x + self.lin("down", F.silu(gate) * up)
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """x [..., T, W] (the layer's input), attn [..., nh, T, hd] -> the layer's output h [..., T, H]."""
+        r = x[..., -self.hidden:] if self.layout == "eagle3" and not layer else x
+        p = self._names(layer)
+        x = r + self.lin(p + "o", attn.transpose(-3, -2).reshape(*x.shape[:-1], -1))
+        gate, up = self.lins((p + "gate", p + "up"), (self.layers[layer - 1].ln2 if layer else self.ln2)(x))
+        return x + self.lin(p + "down", F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """-> logits over the draft vocabulary (index i is target token d2t[i])."""
         return self.lin("lm_head", self.norm(h)).float()
+
+
+class DecoderLayer(nn.Module):
+    """A layer after the head's first: the parameters only (EagleHead.qkv / finish apply them, through
+    its packed copies when drafting)."""
+
+    def __init__(self, H: int, n_heads: int, n_kv: int, head_dim: int, inter: int, eps: float):
+        super().__init__()
+        self.ln1, self.ln2 = RMSNorm(H, eps), RMSNorm(H, eps)
+        self.q = nn.Linear(H, n_heads * head_dim, bias=False)
+        self.k = nn.Linear(H, n_kv * head_dim, bias=False)
+        self.v = nn.Linear(H, n_kv * head_dim, bias=False)
+        self.o = nn.Linear(n_heads * head_dim, H, bias=False)
+        self.gate = nn.Linear(H, inter, bias=False)
+        self.up = nn.Linear(H, inter, bias=False)
+        self.down = nn.Linear(inter, H, bias=False)
+
+    def start_as_identity(self) -> None:
+        """Zero the residual branches' outputs: the layer passes its input through unchanged (a head grown
+        by it drafts what it drafted before, and training starts from there)."""
+        with torch.no_grad():
+            self.o.weight.zero_()
+            self.down.weight.zero_()
 
 
 def load_eagle_head(target, head: str | Path | None = None, device=None) -> EagleHead:
@@ -164,7 +203,7 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
         self.d2t = head.d2t.to(self.device)
         self.params, self.generator = SamplingParams(), None
         self.prune = True  # dynamic trees: stop expanding once no deeper node can be kept (same tree, less work)
-        self.K = torch.zeros(head.n_kv, 0, head.head_dim, dtype=self.dtype, device=self.device)
+        self.K = torch.zeros(head.num_layers, head.n_kv, 0, head.head_dim, dtype=self.dtype, device=self.device)
         self.V = self.K.clone()
         self.reset()
 
@@ -184,12 +223,12 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
     # ---- the head's cache
 
     def _ensure(self, slots: int) -> None:
-        if slots > self.K.shape[1]:
-            size = max(slots, 2 * self.K.shape[1], 256)
-            K = torch.zeros(self.head.n_kv, size, self.head.head_dim, dtype=self.dtype, device=self.device)
+        if slots > self.K.shape[2]:
+            size = max(slots, 2 * self.K.shape[2], 256)
+            K = self.K.new_zeros(*self.K.shape[:2], size, self.K.shape[3])
             V = torch.zeros_like(K)
-            K[:, : self.K.shape[1]] = self.K
-            V[:, : self.V.shape[1]] = self.V
+            K[:, :, : self.K.shape[2]] = self.K
+            V[:, :, : self.V.shape[2]] = self.V
             self.K, self.V = K, V
 
     def _run(self, ids: list[int], g: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -197,13 +236,15 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
         says which cache slots each attends to (its own included) -> head outputs h [m, H]."""
         head = self.head
         x = head.inputs(torch.tensor(ids, dtype=torch.long, device=self.device), g)
-        q, k, v = head.qkv(x, pos)
-        self.K[:, slots] = k
-        self.V[:, slots] = v
         L = mask.shape[1]
-        attn = F.scaled_dot_product_attention(q[None], self.K[None, :, :L], self.V[None, :, :L], attn_mask=mask[None, None],
-                                              enable_gqa=head.n_heads != head.n_kv)[0]
-        return head.finish(x, attn)
+        for layer in range(head.num_layers):
+            q, k, v = head.qkv(x, pos, layer)
+            self.K[layer][:, slots] = k
+            self.V[layer][:, slots] = v
+            attn = F.scaled_dot_product_attention(q[None], self.K[layer, None, :, :L], self.V[layer, None, :, :L],
+                                                  attn_mask=mask[None, None], enable_gqa=head.n_heads != head.n_kv)[0]
+            x = head.finish(x, attn, layer)
+        return x
 
     @torch.inference_mode()
     def sync(self, context: list[int]) -> torch.Tensor | None:

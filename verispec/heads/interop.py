@@ -158,6 +158,9 @@ def _exportable(config: dict) -> None:
                            "[norm(embedding), norm(hidden)] and the attention, the residual taken from the projection); "
                            "EAGLE-3 feeds that concatenation to q/k/v directly with the hidden state as residual, so it "
                            "cannot be written as EAGLE-3; train one with: verispec train eagle --layout eagle3")
+    if int(config.get("num_layers", 1)) != 1:
+        raise HeadMismatch(f"this head has {config['num_layers']} layers; the EAGLE-3 forms written here hold one "
+                           "(train one with --head-layers 1)")
     if int(config["hidden_size"]) != int(config["target"]["hidden_size"]):
         raise HeadMismatch("EAGLE-3's layer is as wide as the target; this head's hidden_size differs from the target's")
     L = int(config["target"]["num_hidden_layers"])
@@ -208,7 +211,7 @@ def import_head(path: str | Path, target) -> tuple[dict, dict[str, torch.Tensor]
         draft_vocab = int(meta.get("draft_vocab_size") or layer.get("vocab_size", V))
     _check_layer(layer, where, V, Ht)
     if any(k.startswith(("layers.1.", "midlayers.1.", "additional_layers.")) for k in raw):
-        raise HeadMismatch(f"{where} has more than one decoder layer; verispec's eagle head has one")
+        raise HeadMismatch(f"{where} has more than one decoder layer; verispec imports one-layer EAGLE-3 heads")
     if not all(1 <= i <= L for i in feature_layers):
         raise HeadMismatch(f"{where} reads target layers {feature_layers}, outside this {L}-layer target")
 
@@ -254,7 +257,7 @@ def _check_layer(layer: dict, where: str, V: int, Ht: int) -> None:
         raise HeadMismatch(f"{where} has a {layer.get('model_type')!r} draft layer; verispec runs Llama-style ones "
                            "(no q/k norms)")
     if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise HeadMismatch(f"{where} has {layer['num_hidden_layers']} decoder layers; verispec's eagle head has one")
+        raise HeadMismatch(f"{where} has {layer['num_hidden_layers']} decoder layers; verispec imports one-layer EAGLE-3 heads")
     if layer.get("attention_bias") or layer.get("mlp_bias") or layer.get("bias"):
         raise HeadMismatch(f"{where} has biases; verispec's eagle head has none")
     if layer.get("hidden_act", "silu") != "silu":

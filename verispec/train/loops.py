@@ -80,30 +80,41 @@ def eagle_unroll(head, tok, feats, steps: int, anchors: torch.Tensor | None = No
     default every position with a next token) -> list of logits per step j, each [B, Q, Vd]: step j at
     anchor t predicts the target's distribution at position t + j (label index t + j).
 
-    Step 1 computes the entries of every position < S - 1 (the keys: the whole prefix from position 0,
-    as the drafter's cache holds at inference) and queries at the anchors only; deeper steps run at the
-    anchors alone. Anchors whose tokens run past S read clamped tokens; their labels must be masked."""
+    Step 1 computes every layer's entries of every position < S - 1 (the keys: the whole prefix from
+    position 0, as the drafter's caches hold at inference; a layer's keys read the layer before's output
+    at every position) and the last layer's queries at the anchors only; deeper steps run at the anchors
+    alone, each layer attending to its own keys. Anchors whose tokens run past S read clamped tokens;
+    their labels must be masked."""
     B, S = tok.shape
     rep = head.n_heads // head.n_kv
     dev = tok.device
     m1 = S - 1
+    L = head.num_layers
     if anchors is None:
         anchors = torch.arange(m1, device=dev).expand(B, m1)
+    every = torch.arange(m1, device=dev)
     x = head.inputs(tok[:, 1:], head.project(feats[:, :-1]))  # entry t: token t + 1 with the feature of t
-    _, k, v = head.qkv(x, torch.arange(m1, device=dev).expand(B, m1))
-    k1, v1 = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    visible = (torch.arange(m1, device=dev)[None, None, :] <= anchors[:, :, None])[:, None]  # [B, 1, Q, m1]
-    x = _rows(x, anchors)
-    q, _, _ = head.qkv(x, anchors)
-    h = head.finish(x, _manual_attention(q, k1, v1, visible, [], []))
+    visible = (every[None, None, :] <= anchors[:, :, None])[:, None]  # [B, 1, Q, m1]
+    keys = []  # per layer: its keys and values of every position, one per query head
+    for layer in range(L):
+        q, k, v = head.qkv(x, every.expand(B, m1), layer)
+        keys.append((k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+        if layer < L - 1:  # every position's output: the next layer's keys read it
+            x = head.finish(x, _manual_attention(q, *keys[layer], every[None, :] <= every[:, None], [], []), layer)
+        else:
+            x = _rows(x, anchors)
+            q = q.gather(2, anchors[:, None, :, None].expand(B, q.shape[1], anchors.shape[1], q.shape[3]))
+            h = head.finish(x, _manual_attention(q, *keys[layer], visible, [], []), layer)
     out = [head.logits(h)]
-    dk, dv = [], []
+    dk, dv = [[] for _ in range(L)], [[] for _ in range(L)]
     for j in range(2, steps + 1):
         x = head.inputs(_rows(tok, (anchors + j).clamp_max(S - 1)), h)  # token t + j with the step j-1 output
-        q, k, v = head.qkv(x, anchors + (j - 1))
-        dk.append(k.repeat_interleave(rep, 1))
-        dv.append(v.repeat_interleave(rep, 1))
-        h = head.finish(x, _manual_attention(q, k1, v1, visible, dk, dv))
+        for layer in range(L):
+            q, k, v = head.qkv(x, anchors + (j - 1), layer)
+            dk[layer].append(k.repeat_interleave(rep, 1))
+            dv[layer].append(v.repeat_interleave(rep, 1))
+            x = head.finish(x, _manual_attention(q, *keys[layer], visible, dk[layer], dv[layer]), layer)
+        h = x
         out.append(head.logits(h))
     return out
 

@@ -47,6 +47,7 @@ class TrainConfig:
     block_size: int = 8              # dflash: the pending token + block_size - 1 drafted positions
     dflash_layers: int = 2           # dflash: drafter layers
     head_intermediate: int | None = None  # eagle: the head's MLP width (default: the target's)
+    head_layers: int = 1             # eagle: decoder layers (the first reads the features; plain ones follow)
     block_anchors: int = 32          # dflash: blocks per sequence and step, drawn among the window's seq-len anchors
     seed: int = 0
     device: str = "cpu"
@@ -81,6 +82,11 @@ def _check(cfg: TrainConfig) -> None:
         raise InvalidParameter(f"init: no head folder at '{cfg.init}'; give a folder with config.json and model.safetensors")
     if cfg.head_intermediate is not None and cfg.kind != "eagle":
         raise InvalidParameter(f"head-intermediate sets the EAGLE head's MLP width; a {cfg.kind} head does not take it")
+    if cfg.head_layers != 1 and cfg.kind != "eagle":
+        raise InvalidParameter(f"head-layers sets the EAGLE head's depth; a {cfg.kind} head does not take it "
+                               "(the block drafter's is dflash-layers)")
+    if cfg.head_layers < 1:
+        raise InvalidParameter(f"head-layers must be >= 1, got {cfg.head_layers}")
     if cfg.head_intermediate is not None and cfg.head_intermediate < 1:
         raise InvalidParameter(f"head-intermediate must be >= 1, got {cfg.head_intermediate}")
     if cfg.layout not in ("verispec", "eagle3"):
@@ -185,7 +191,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
     lm = target.model.get_output_embeddings().weight.detach().float().cpu()
     if cfg.kind in ("eagle", "dflash"):
         module = (EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout,
-                                                        intermediate_size=cfg.head_intermediate)) if cfg.kind == "eagle" else
+                                                        intermediate_size=cfg.head_intermediate,
+                                                        num_layers=cfg.head_layers)) if cfg.kind == "eagle" else
                   BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers)))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
@@ -200,6 +207,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
     state = cfg.kind + ("-eagle3" if cfg.kind == "eagle" and cfg.layout == "eagle3" else "")  # another layer, another state
     if cfg.head_intermediate:  # another width, another state
         state += f"-mlp{cfg.head_intermediate}"
+    if cfg.head_layers != 1:
+        state += f"-layers{cfg.head_layers}"
     if cfg.init:
         start_from(module, Path(cfg.init), d2t, target)
         state += f"-from-{Path(cfg.init).name}"
@@ -254,18 +263,30 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
 def start_from(module, head: Path, d2t: torch.Tensor, target) -> None:
     """Start training from the weights of a trained head of the same kind and shape, whose draft vocabulary
-    is the one rebuilt here (a longer or a fine-tuning run on the records it was trained on)."""
+    is the one rebuilt here (a longer or a fine-tuning run on the records it was trained on). An EAGLE head
+    with more layers than the saved one grows from it: its first layers take the saved ones and the
+    layers past them start as identity (DecoderLayer.start_as_identity), so it starts drafting what the
+    saved head drafted."""
     from verispec.heads import read_head
 
-    _, tensors = read_head(head, module.config["kind"], target)
+    config, tensors = read_head(head, module.config["kind"], target)
     if "d2t" in tensors and not torch.equal(tensors["d2t"].long(), d2t.long()):
         raise InvalidParameter(f"the head at '{head}' drafts another vocabulary than the one these records give; "
                                "train it from scratch, or from a head trained on the same records")
+    have, want = int(config.get("num_layers", 1)), int(module.config.get("num_layers", 1))
+    grown = range(have - 1, want - 1) if module.config["kind"] == "eagle" else range(0)
+    new = tuple(f"layers.{i}." for i in grown)
     try:
-        module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+        missing, unexpected = module.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
+        left = [k for k in missing if not k.startswith(new)] if have < want else missing
+        if left or unexpected:
+            raise RuntimeError(f"missing {left}, unexpected {unexpected}")
     except RuntimeError as e:  # other tensors or other shapes
         raise InvalidParameter(f"the head at '{head}' does not fit the head being trained "
                                f"({str(e).splitlines()[-1].strip()}); give a head of the same layout and sizes") from None
+    for i in grown:
+        module.layers[i].start_as_identity()
 
 
 def return_freed_memory() -> bool:
