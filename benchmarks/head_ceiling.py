@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="a head folder (default: the shipped head)")
     ap.add_argument("--work", default=None, help="a training work folder whose held-out records to use")
     ap.add_argument("--per-source", type=int, default=40, help="held-out records per source")
+    ap.add_argument("--records", default="heldout", choices=["heldout", "train"],
+                    help="train: records the head trained on instead (the gap to held-out says what generalises)")
     ap.add_argument("--bench", type=int, default=4, help="Spec-Bench questions per task (continued by plain decoding)")
     ap.add_argument("--max-answer", type=int, default=256, help="answer tokens kept per sequence")
     ap.add_argument("--tokens", type=int, default=128, help="plain decoding's continuation of a Spec-Bench question")
@@ -75,8 +77,13 @@ def main() -> None:
     module = {"eagle": load_eagle_head, "medusa": load_medusa_heads, "dflash": load_block_drafter}[a.kind](target, a.head)
     sets: dict[str, list[tuple[list[int], list[int]]]] = {}
     if a.work:
-        for r in split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))[1]:
-            rows = sets.setdefault(f"heldout/{r['source']}", [])
+        train, held = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))
+        if a.records == "train":  # a seeded sample: the file's order is the order they were answered in
+            import random
+
+            train = random.Random(0).sample(train, len(train))
+        for r in held if a.records == "heldout" else train:
+            rows = sets.setdefault(f"{a.records}/{r['source']}", [])
             if len(rows) < a.per_source:
                 rows.append((list(r["prompt_ids"]), list(r["answer_ids"])[: a.max_answer]))
     plain = Engine.for_model(target, None)

@@ -6,6 +6,7 @@ and the shipped Medusa heads, after a context of --context tokens:
   * one EAGLE draft step: the head forward of one tree level (--nodes nodes, default 1 and 4) plus its
     logits over the draft vocabulary, i.e. what one depth of a chain or a dynamic tree costs
   * one whole EAGLE proposal: a chain of 5, and a dynamic tree (budget 16, top-k 4, depth 6)
+  * the same three for every other EAGLE head named by --eagle-head (a trained candidate, a deeper one)
   * one Medusa proposal (a chain of 4 and the static medium tree)
   * one block-drafter (dflash) proposal: the block forward alone, and with the context entries of 3
     newly accepted positions first (what a step does), for --dflash-layers x --dflash-blocks drafters
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--weights", default="auto", choices=["auto", "bf16", "q8", "q4"],
                     help="the target's weights format (auto: the file's q4 where qmm runs); quantized targets' heads run 8-bit")
+    ap.add_argument("--eagle-head", nargs="+", default=[], help="other EAGLE head folders, timed beside the shipped one")
     ap.add_argument("--dflash-layers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dflash-blocks", type=int, nargs="+", default=[8, 16])
     a = parse(ap)
@@ -84,24 +86,28 @@ def main() -> None:
     for r in runners.values():
         r.forward(torch.tensor(ctx))
 
-    eagle.begin(ctx, params, None)
-    eagle.observe_features(feats[:-1, cols["eagle"]])
-    h = eagle.sync(ctx)
+    def eagle_items(drafter, name):
+        drafter.begin(ctx, params, None)
+        drafter.observe_features(feats[:-1, cols["eagle"]])
+        h = drafter.sync(ctx)
 
-    def draft_level(m):
-        eagle.scratch = eagle.n
-        hs = h[None].expand(m, -1)
-        out = eagle._expand(ctx[-m:], hs, 1, [[] for _ in range(m)])
-        vals, idx = eagle.ranking(eagle.head.logits(out)).topk(4, dim=-1)  # the tree builder's top-k step
-        eagle.d2t[idx].tolist(), vals.tolist()
+        def draft_level(m):
+            drafter.scratch = drafter.n
+            out = drafter._expand(ctx[-m:], h[None].expand(m, -1), 1, [[] for _ in range(m)])
+            vals, idx = drafter.ranking(drafter.head.logits(out)).topk(4, dim=-1)  # the tree builder's top-k step
+            drafter.d2t[idx].tolist(), vals.tolist()
+
+        got = {f"{name}_draft_step_{m}_nodes": (lambda m=m: draft_level(m)) for m in a.nodes}
+        got[f"{name}_chain_5"] = lambda: drafter.propose(ctx, 5)
+        got[f"{name}_dynamic_tree_16"] = lambda: drafter.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=6))
+        return got
 
     medusa.begin(ctx, params, None)
     medusa.observe_features(feats[:-1, cols["medusa"]])
     items = {f"target_forward_1pos_{k}": (lambda k=k: target_step(k)) for k in runners}
-    for m in a.nodes:
-        items[f"eagle_draft_step_{m}_nodes"] = lambda m=m: draft_level(m)
-    items["eagle_chain_5"] = lambda: eagle.propose(ctx, 5)
-    items["eagle_dynamic_tree_16"] = lambda: eagle.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=6))
+    items.update(eagle_items(eagle, "eagle"))
+    for path in a.eagle_head:
+        items.update(eagle_items(EagleDrafter.for_target(target, path), f"eagle[{path.rstrip('/').split('/')[-1]}]"))
     items["medusa_chain_4"] = lambda: medusa.propose(ctx, 4)
     items["medusa_static_medium"] = lambda: medusa.propose_tree(ctx, StaticTree.named("medium"))
     from verispec.drafters.dflash import BlockDrafter, BlockDrafterModel
