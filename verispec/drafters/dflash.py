@@ -32,27 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import (FeatureQueue, PackedLinears, RMSNorm, default_feature_layers, load_module,
-                                          rotary, rotate)
+from verispec.drafters.head_parts import (DecoderLayer, FeatureQueue, PackedLinears, RMSNorm, default_feature_layers,
+                                          load_module, rotary, rotate)
 from verispec.drafters.medusa import PositionDrafting
 from verispec.fast import quant
 from verispec.types import SamplingParams, StepResult
-
-
-class BlockLayer(nn.Module):
-    """One pre-norm decoder layer whose attention also reads the injected context keys/values."""
-
-    def __init__(self, H: int, n_heads: int, n_kv: int, head_dim: int, inter: int):
-        super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
-        self.ln1, self.ln2 = RMSNorm(H), RMSNorm(H)
-        self.q = nn.Linear(H, n_heads * head_dim, bias=False)
-        self.k = nn.Linear(H, n_kv * head_dim, bias=False)
-        self.v = nn.Linear(H, n_kv * head_dim, bias=False)
-        self.o = nn.Linear(n_heads * head_dim, H, bias=False)
-        self.gate = nn.Linear(H, inter, bias=False)
-        self.up = nn.Linear(H, inter, bias=False)
-        self.down = nn.Linear(inter, H, bias=False)
 
 
 class BlockDrafterModel(PackedLinears, nn.Module):
@@ -72,7 +56,7 @@ class BlockDrafterModel(PackedLinears, nn.Module):
         self.norm_e = RMSNorm(H)
         self.inp = nn.Linear(2 * H, H, bias=False)
         self.mask_embed = nn.Parameter(torch.zeros(self.block_size - 1, H))  # one per slot: slots differ from the start
-        self.layers = nn.ModuleList(BlockLayer(H, self.n_heads, self.n_kv, self.head_dim, inter)
+        self.layers = nn.ModuleList(DecoderLayer(H, self.n_heads, self.n_kv, self.head_dim, inter)
                                     for _ in range(int(config["num_layers"])))
         self.norm = RMSNorm(H)
         self.lm_head = nn.Linear(H, vd, bias=False)
@@ -81,9 +65,8 @@ class BlockDrafterModel(PackedLinears, nn.Module):
         inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.embed: torch.Tensor | None = None  # the target's embedding table (frozen, not saved)
-        for layer in self.layers:  # residual branches start at zero: every layer starts as the identity,
-            nn.init.zeros_(layer.o.weight)  # so the first logits are flat (loss ~ log Vd), not confident noise
-            nn.init.zeros_(layer.down.weight)
+        for layer in self.layers:  # every layer starts as the identity, so the first logits are flat
+            layer.start_as_identity()  # (loss ~ log Vd), not confident noise
 
     @staticmethod
     def make_config(target, draft_vocab_size: int, block_size: int = 8, num_layers: int = 2,

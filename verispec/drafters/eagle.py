@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import (FeatureQueue, HeadDrafting, PackedLinears, RMSNorm, default_feature_layers,
-                                          load_module, rotary, rotate)
+from verispec.drafters.head_parts import (DecoderLayer, FeatureQueue, HeadDrafting, PackedLinears, RMSNorm,
+                                          default_feature_layers, load_module, rotary, rotate)
 from verispec.errors import HeadMismatch
 from verispec.fast import quant
 from verispec.tree import Candidate, ancestors, build_tree, to_proposal
@@ -155,29 +155,6 @@ class EagleHead(PackedLinears, nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """-> logits over the draft vocabulary (index i is target token d2t[i])."""
         return self.lin("lm_head", self.norm(h)).float()
-
-
-class DecoderLayer(nn.Module):
-    """A layer after the head's first: the parameters only (EagleHead.qkv / finish apply them, through
-    its packed copies when drafting)."""
-
-    def __init__(self, H: int, n_heads: int, n_kv: int, head_dim: int, inter: int, eps: float):
-        super().__init__()
-        self.ln1, self.ln2 = RMSNorm(H, eps), RMSNorm(H, eps)
-        self.q = nn.Linear(H, n_heads * head_dim, bias=False)
-        self.k = nn.Linear(H, n_kv * head_dim, bias=False)
-        self.v = nn.Linear(H, n_kv * head_dim, bias=False)
-        self.o = nn.Linear(n_heads * head_dim, H, bias=False)
-        self.gate = nn.Linear(H, inter, bias=False)
-        self.up = nn.Linear(H, inter, bias=False)
-        self.down = nn.Linear(inter, H, bias=False)
-
-    def start_as_identity(self) -> None:
-        """Zero the residual branches' outputs: the layer passes its input through unchanged (a head grown
-        by it drafts what it drafted before, and training starts from there)."""
-        with torch.no_grad():
-            self.o.weight.zero_()
-            self.down.weight.zero_()
 
 
 def load_eagle_head(target, head: str | Path | None = None, device=None) -> EagleHead:

@@ -35,6 +35,29 @@ class RMSNorm(nn.Module):
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+class DecoderLayer(nn.Module):
+    """The parameters of a pre-norm Llama decoder layer (norms, attention projections, gated MLP); the
+    module that holds it applies them (through its packed copies when drafting): the EAGLE head's layers
+    after its first, the block drafter's layers."""
+
+    def __init__(self, H: int, n_heads: int, n_kv: int, head_dim: int, inter: int, eps: float = 1e-5):
+        super().__init__()
+        self.ln1, self.ln2 = RMSNorm(H, eps), RMSNorm(H, eps)
+        self.q = nn.Linear(H, n_heads * head_dim, bias=False)
+        self.k = nn.Linear(H, n_kv * head_dim, bias=False)
+        self.v = nn.Linear(H, n_kv * head_dim, bias=False)
+        self.o = nn.Linear(n_heads * head_dim, H, bias=False)
+        self.gate = nn.Linear(H, inter, bias=False)
+        self.up = nn.Linear(H, inter, bias=False)
+        self.down = nn.Linear(inter, H, bias=False)
+
+    def start_as_identity(self) -> None:
+        """Zero the residual branches' outputs: the layer passes its input through unchanged."""
+        with torch.no_grad():
+            self.o.weight.zero_()
+            self.down.weight.zero_()
+
+
 def rotary(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables of positions pos [..., T] -> cos, sin [..., 1, T, hd] in dtype (sin's first half
     negated, so that rotation is x * cos + roll(x, hd / 2) * sin: fast/rope.py's form), for rotate."""
