@@ -61,7 +61,9 @@ def main() -> None:
     ap.add_argument("--max-answer", type=int, default=256, help="answer tokens kept per sequence")
     ap.add_argument("--tokens", type=int, default=128, help="plain decoding's continuation of a Spec-Bench question")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--weights", default="auto", help="the target's weights: auto, bf16, q8 or q4")
+    ap.add_argument("--weights", default="auto",
+                    help="the weights plain decoding continues the Spec-Bench questions with (auto, bf16, q8, q4); "
+                         "the scoring pass (features, logits) runs the dense weights, as training's does")
     a = parse(ap)
     from verispec.bench.environment import environment
     from verispec.drafters.dflash import load_block_drafter
