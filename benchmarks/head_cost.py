@@ -8,6 +8,9 @@ and the shipped Medusa heads, after a context of --context tokens:
   * one whole EAGLE proposal: a chain of 5, and a dynamic tree (budget 16, top-k 4, depth 6)
   * the same three for every other EAGLE head named by --eagle-head (a trained candidate, a deeper one)
   * one Medusa proposal (a chain of 4 and the static medium tree)
+  * with --python-steps, the same EAGLE, Medusa and block-drafter items the way they ran before their native
+    steps and Medusa's packed copies: the head layers' operations issued from Python, Medusa from its float32
+    parameters (suffix "[python]")
   * one block-drafter (dflash) proposal: the block forward alone, and with the context entries of 3
     newly accepted positions first (what a step does), for --dflash-layers x --dflash-blocks drafters
     (the shipped one when there is one, else random weights: the cost does not depend on them)
@@ -46,6 +49,8 @@ def main() -> None:
     ap.add_argument("--eagle-head", nargs="+", default=[], help="other EAGLE head folders, timed beside the shipped one")
     ap.add_argument("--dflash-layers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dflash-blocks", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--python-steps", action="store_true",
+                    help="also time the heads' Python steps (no native call) and Medusa from its float32 parameters")
     a = parse(ap)
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
@@ -106,10 +111,22 @@ def main() -> None:
     medusa.observe_features(feats[:-1, cols["medusa"]])
     items = {f"target_forward_1pos_{k}": (lambda k=k: target_step(k)) for k in runners}
     items.update(eagle_items(eagle, "eagle"))
+    if a.python_steps:
+        slow = EagleDrafter.for_target(target)
+        slow._native = (False,)
+        items.update({f"{k}[python]": v for k, v in eagle_items(slow, "eagle").items()})
     for path in a.eagle_head:
         items.update(eagle_items(EagleDrafter.for_target(target, path), f"eagle[{path.rstrip('/').split('/')[-1]}]"))
     items["medusa_chain_4"] = lambda: medusa.propose(ctx, 4)
     items["medusa_static_medium"] = lambda: medusa.propose_tree(ctx, StaticTree.named("medium"))
+    if a.python_steps:
+        from verispec.drafters.medusa import load_medusa_heads
+
+        plain = MedusaDrafter(load_medusa_heads(target), target.vocab_size)  # no packed copies
+        plain.begin(ctx, params, None)
+        plain.observe_features(feats[:-1, cols["medusa"]])
+        items["medusa_chain_4[python]"] = lambda: plain.propose(ctx, 4)
+        items["medusa_static_medium[python]"] = lambda: plain.propose_tree(ctx, StaticTree.named("medium"))
     from verispec.drafters.dflash import BlockDrafter, BlockDrafterModel
     from verispec.heads import shipped_head
 
@@ -137,6 +154,14 @@ def main() -> None:
         d.observe_features(feats[:-1, cols["eagle"]])
         items["dflash_shipped_block"] = lambda: d.propose(ctx, d.positions)
         items["dflash_shipped_dynamic_tree_16"] = lambda: d.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=d.positions))
+        if a.python_steps:
+            slow_d = BlockDrafter.for_target(target)
+            slow_d._native = (False,)
+            slow_d.begin(ctx, params, None)
+            slow_d.observe_features(feats[:-1, cols["eagle"]])
+            items["dflash_shipped_block[python]"] = lambda: slow_d.propose(ctx, slow_d.positions)
+            items["dflash_shipped_dynamic_tree_16[python]"] = lambda: slow_d.propose_tree(
+                ctx, DynamicTree(budget=16, topk=4, depth=slow_d.positions))
     for fn in items.values():  # warm-up
         fn()
     rounds = {k: [] for k in items}

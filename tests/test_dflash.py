@@ -71,6 +71,40 @@ def test_greedy_exact_tiny(dtype, backend, tree):
         assert got.stats.drafted > 0
 
 
+@pytest.mark.parametrize("copies", ["none", "bf16", "8-bit"])
+def test_the_native_block_forward_computes_the_python_bits(tiny, copies):
+    """BlockDrafterModel.blocks at inference as one native call (native.dflash_blocks) against its Python
+    operations, the reference: the same block logits and drafts, bit for bit, for every kind of weight copy."""
+    import copy
+
+    from verispec.fast import native, quant
+
+    if native.module() is None:
+        pytest.skip(native.status())
+    if copies == "8-bit" and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
+        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    model = random_drafter_model(tiny, vocab=24, block_size=5, layers=2)
+    ctx = PROMPTS[2]
+    feats = torch.randn(len(ctx) - 1, model.fc.in_features)
+    dtype = None if copies == "none" else torch.bfloat16
+
+    def drafts(python: bool):
+        d = BlockDrafter(copy.deepcopy(model), tiny.vocab_size, weights_dtype=dtype, quantized=copies == "8-bit")
+        if python:
+            d._native = (False,)
+        else:
+            assert d._native_args() is not None
+        d.begin(ctx, SamplingParams(), None)
+        d.observe_features(feats)
+        with torch.no_grad():
+            lg = d.block_logits(ctx)
+            tree = d.propose_tree(ctx, DynamicTree(budget=8, topk=3, depth=4))
+        return lg, tree.tokens.tolist(), tree.parents
+
+    want, got = drafts(True), drafts(False)
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+
+
 def test_an_oracle_block_is_accepted_whole(tiny):
     """A drafter whose block is the target's own greedy continuation gets every draft accepted: the
     block lands at the right positions (an off-by-one would get ~nothing accepted) and the engine takes

@@ -309,6 +309,89 @@ def test_sampling_path_is_lossless():
         assert p_joint > 1e-3 and min(p_marg) > 1e-3, (kind, p_joint, p_marg)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_medusa_heads_draft_from_packed_copies(tiny, plain_outputs, quantized):
+    """Medusa's linears run from packed copies as the EAGLE head's do (8-bit for a quantized target): the
+    blocks from one stacked copy (they all read h), their biases added after; the logits stay the
+    parameters' to the copies' rounding, the state dict gains nothing, and the output equals plain decoding."""
+    import copy
+
+    from verispec.fast import quant
+
+    if quantized and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
+        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    heads = random_medusa(tiny, heads=3, vocab=24)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.bias.normal_(0, 0.5)
+    no_bias = copy.deepcopy(heads)
+    with torch.no_grad():
+        for block in no_bias.blocks:
+            block.bias.zero_()
+    h = torch.randn(2, int(tiny.model.config.hidden_size))
+    keys = set(heads.state_dict())
+    with torch.no_grad():
+        want, without = heads(h), no_bias(h)
+    drafter = MedusaDrafter(heads, tiny.vocab_size, weights_dtype=torch.bfloat16, quantized=quantized)
+    assert ("blocks.0", "blocks.1", "blocks.2") in heads._packed
+    assert not quantized or {type(w).__name__ for w, *_ in heads._packed.values()} <= {"QWeight", "Int8"}
+    with torch.no_grad():
+        got = heads(h)
+    tol = 0.05 * float(want.abs().max())
+    assert not torch.equal(got, want) and torch.allclose(got, want, atol=tol, rtol=0), float((got - want).abs().max())
+    assert float((got - without).abs().max()) > tol  # the biases are applied
+    assert set(heads.state_dict()) == keys
+    for tree in (None, "static:[[0],[1],[0,0],[1,0]]"):
+        engine = Engine.for_model(tiny, drafter, draft_length=3, tree=tree, backend="fast")
+        for prompt, expect in zip(PROMPTS, plain_outputs["fast"]):
+            got_ids = engine.generate(prompt, SamplingParams(max_new_tokens=N_NEW))
+            assert got_ids.token_ids == expect and got_ids.stats.drafted > 0, (tree, prompt)
+
+
+@pytest.mark.parametrize("layout,layers", [("verispec", 1), ("eagle3", 1), ("eagle3", 2)])
+@pytest.mark.parametrize("copies", ["none", "bf16", "8-bit"])
+def test_the_native_eagle_step_computes_the_python_bits(tiny, layout, layers, copies):
+    """EagleDrafter._run as one native call (native.eagle_run) against its Python operations, the reference:
+    the same head outputs, cache entries, chains and trees, bit for bit, for both layouts, later layers and
+    every kind of weight copy; with VERISPEC_NATIVE=0 or no compiler the Python operations run."""
+    import copy
+
+    from verispec.fast import native, quant
+
+    if native.module() is None:
+        pytest.skip(native.status())
+    if copies == "8-bit" and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
+        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    torch.manual_seed(3)
+    head = EagleHead(EagleHead.make_config(tiny, 24, layout=layout, num_layers=layers))
+    head.d2t.copy_(torch.randperm(tiny.vocab_size)[:24])
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # norms away from 1, later layers not the identity
+    head.attach_embedding(tiny.model.get_input_embeddings().weight)
+    ctx = PROMPTS[2]
+    feats = torch.randn(len(ctx) - 1, head.fc.in_features)
+    dtype = None if copies == "none" else torch.bfloat16
+
+    def drafts(python: bool):
+        d = EagleDrafter(copy.deepcopy(head).eval(), tiny.vocab_size, weights_dtype=dtype, quantized=copies == "8-bit")
+        if python:
+            d._native = (False,)
+        else:
+            assert d._native_args() is not None
+        d.begin(ctx, SamplingParams(), None)
+        d.observe_features(feats)
+        with torch.no_grad():
+            h = d.sync(ctx)
+            chain = d.propose(ctx, 4).tokens.tolist()
+            tree = d.propose_tree(ctx, DynamicTree(budget=8, topk=3, depth=4))
+        return h, d.K[:, :, : d.scratch].clone(), chain, tree.tokens.tolist(), tree.parents
+
+    want, got = drafts(True), drafts(False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2:] == want[2:]
+
+
 def test_a_quantized_targets_head_drafts_with_8_bit_weights(tiny, plain_outputs):
     """For a target on quantized weights the head's linears run 8-bit (pack_for_inference(quantized=True)):
     its logits stay within the 8-bit rounding of its parameters' ones, its state dict gains nothing, and

@@ -275,6 +275,10 @@ def test_training_starts_from_a_trained_head_of_the_same_shape_only(tiny, datase
     wide = EagleHead(EagleHead.make_config(tiny, saved.d2t.numel(), intermediate_size=48))
     with pytest.raises(InvalidParameter, match="does not fit"):
         start_from(wide, tmp_path / "a", saved.d2t, tiny)
+    other = EagleHead(EagleHead.make_config(tiny, saved.d2t.numel(), feature_layers=[2, 1]))  # same shapes, other columns
+    assert other.feature_layers != saved.feature_layers
+    with pytest.raises(InvalidParameter, match="reads the target's hidden states"):
+        start_from(other, tmp_path / "a", saved.d2t, tiny)
 
 
 @torch.inference_mode()
@@ -371,6 +375,21 @@ def test_cli_rejects_bad_options():
     assert r.exit_code == 2 and "a medusa head does not take it" in r.output
     r = CliRunner().invoke(app, ["train", "eagle", "--init", "/no/such/head"])
     assert r.exit_code == 2 and "init: no head folder at '/no/such/head'" in r.output
+    for bad in ("3,x", "3,3", "0,16", ","):
+        r = CliRunner().invoke(app, ["train", "eagle", "--feature-layers", bad])
+        assert r.exit_code == 2 and "feature-layers takes distinct hidden-state indices" in r.output, bad
+    r = CliRunner().invoke(app, ["train", "medusa", "--feature-layers", "3,16,30"])
+    assert r.exit_code == 2 and "Medusa heads read the final hidden state" in r.output
+
+
+def test_feature_layers_are_checked_against_the_target():
+    from verispec.errors import InvalidParameter
+    from verispec.train.pipeline import TrainConfig, feature_layers_for
+
+    assert feature_layers_for(TrainConfig(), 30) is None  # the head's default
+    assert feature_layers_for(TrainConfig(feature_layers="3,16,30"), 30) == [3, 16, 30]
+    with pytest.raises(InvalidParameter, match="hidden states 1..30, not 31"):
+        feature_layers_for(TrainConfig(feature_layers="3,31"), 30)
 
 
 def test_learning_rate_anneals_by_the_step_count_or_the_time_budget(tmp_path):

@@ -50,6 +50,7 @@ def _command(kind: str):
         dflash_layers: int = typer.Option(2, "--dflash-layers", help="dflash: drafter layers."),
         head_intermediate: Optional[int] = typer.Option(None, "--head-intermediate", help="EAGLE: the head's MLP width (default: the target's intermediate size)."),
         head_layers: int = typer.Option(1, "--head-layers", help="EAGLE: decoder layers (the first reads the target's features; plain ones follow)."),
+        feature_layers: Optional[str] = typer.Option(None, "--feature-layers", help="EAGLE, dflash: the target's hidden states read, e.g. 3,16,30 (i = output of decoder layer i - 1; the layer count = the final normed state; default: a low, a middle and a high layer)."),
         init: Optional[str] = typer.Option(None, "--init", help="A trained head folder (same kind, sizes and records) whose weights start the training; an EAGLE head with fewer layers grows into --head-layers (the new ones start as identity)."),
         block_anchors: int = typer.Option(32, "--block-anchors", help="dflash: blocks per sequence and step (random anchors among the window's --seq-len)."),
         seed: int = typer.Option(0, "--seed"),

@@ -35,7 +35,7 @@ from torch import nn
 from verispec.drafters.head_parts import (DecoderLayer, FeatureQueue, PackedLinears, RMSNorm, default_feature_layers,
                                           load_module, rotary, rotate)
 from verispec.drafters.medusa import PositionDrafting
-from verispec.fast import quant
+from verispec.fast import native, quant
 from verispec.types import SamplingParams, StepResult
 
 
@@ -163,6 +163,7 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
         self.device, self.dtype = p.device, p.dtype
         self.d2t = model.d2t.to(self.device)
         self.params, self.generator = SamplingParams(), None
+        self._native: tuple | None = None  # _native_args, once built
         self.reset()
 
     @classmethod
@@ -196,6 +197,21 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
                 new[:, :, :have] = t
                 store[i] = new
 
+    def _native_args(self) -> tuple | None:
+        """The drafter's layers as native.dflash_blocks takes them, or None where the Python operations run
+        (as EagleDrafter._native_args)."""
+        if self._native is None:
+            self._native = (False,)
+            m = self.model
+            norms = [w for layer in m.layers for w in (layer.ln1.weight, layer.ln2.weight)] + [m.norm.weight]
+            eps = {n.eps for n in m.modules() if isinstance(n, RMSNorm)}
+            if native.module() is not None and self.device.type == "cpu" and len(eps) == 1:
+                lins = native.head_linears(m, [], [f"layers.{i}." for i in range(len(m.layers))], ["lm_head"])
+                if lins is not None:
+                    self._native = (True, norms, *lins, m.inv_freq, m.n_heads, m.n_kv, m.head_dim,
+                                    m.layers[0].gate.out_features, eps.pop())
+        return self._native[1:] if self._native[0] else None
+
     @torch.inference_mode()
     def block_logits(self, context: list[int]) -> torch.Tensor | None:
         """Append the context entries of the new features, then one block forward -> logits [B-1, Vd] of
@@ -217,6 +233,9 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
         x = m.block_inputs(torch.tensor([context[-1]], device=self.device), self.last)
         pos = torch.arange(self.n, self.n + m.block_size, device=self.device)[None]
         ctx = [(k[:, :, : self.n], v[:, :, : self.n]) for k, v in zip(self.K, self.V)]
+        args = self._native_args()
+        if args is not None:  # m.blocks's operations from C++ (native.dflash_blocks), the same bits
+            return native.module().dflash_blocks(x, pos, [k for k, _ in ctx], [v for _, v in ctx], *args)[0, 1:]
         return m.blocks(x, pos, ctx, None)[0, 1:]
 
 

@@ -37,7 +37,7 @@ from torch import nn
 from verispec.drafters.head_parts import (DecoderLayer, FeatureQueue, HeadDrafting, PackedLinears, RMSNorm,
                                           default_feature_layers, load_module, rotary, rotate)
 from verispec.errors import HeadMismatch
-from verispec.fast import quant
+from verispec.fast import native, quant
 from verispec.tree import Candidate, ancestors, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
 
@@ -180,6 +180,7 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
         self.d2t = head.d2t.to(self.device)
         self.params, self.generator = SamplingParams(), None
         self.prune = True  # dynamic trees: stop expanding once no deeper node can be kept (same tree, less work)
+        self._native: tuple | None = None  # _native_args, once built
         self.K = torch.zeros(head.num_layers, head.n_kv, 0, head.head_dim, dtype=self.dtype, device=self.device)
         self.V = self.K.clone()
         self.reset()
@@ -208,11 +209,37 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
             V[:, :, : self.V.shape[2]] = self.V
             self.K, self.V = K, V
 
+    def _native_args(self) -> tuple | None:
+        """The head as native.eagle_run takes it (weights, norms, shapes), or None where the Python
+        operations run (no native extension, another device, a linear it does not cover). Built once: the
+        packed copies do not change while the drafter drafts."""
+        if self._native is None:
+            self._native = (False,)
+            head = self.head
+            if native.module() is not None and self.device.type == "cpu" and head.embed is not None:
+                norms = [head.norm_e.weight, head.norm_h.weight]
+                for layer in range(head.num_layers):
+                    first = head.layers[layer - 1] if layer else head
+                    ln1 = head.norm_e if layer == 0 and head.layout == "eagle3" else first.ln1  # eagle3: none (unused)
+                    norms += [ln1.weight, first.ln2.weight]
+                lins = native.head_linears(head, ["inp"] if head.layout == "verispec" else [],
+                                           [head._names(layer) for layer in range(head.num_layers)], [])
+                if lins is not None:
+                    self._native = (True, norms, *lins, head.inv_freq, head.layout == "eagle3", head.norm_before_residual,
+                                    head.n_heads, head.n_kv, head.head_dim, head.gate.out_features, head.norm_e.eps)
+        return self._native[1:] if self._native[0] else None
+
     def _run(self, ids: list[int], g: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Entries for tokens `ids` with features g [m, H] at positions pos into `slots`; mask [m, L]
-        says which cache slots each attends to (its own included) -> head outputs h [m, H]."""
+        says which cache slots each attends to (its own included) -> head outputs h [m, H]. One native
+        call where the extension covers the head (native.eagle_run: the same operations from C++, the
+        same bits), else the operations below."""
         head = self.head
-        x = head.inputs(torch.tensor(ids, dtype=torch.long, device=self.device), g)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        args = self._native_args()
+        if args is not None:
+            return native.module().eagle_run(ids_t, g, pos, slots, mask, self.K, self.V, head.embed, *args)
+        x = head.inputs(ids_t, g)
         L = mask.shape[1]
         for layer in range(head.num_layers):
             q, k, v = head.qkv(x, pos, layer)

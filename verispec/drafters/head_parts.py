@@ -80,9 +80,14 @@ def default_feature_layers(num_hidden_layers: int) -> list[int]:
 
 
 class PackedLinears:
-    """A module whose linear layers (self.fc among them) can run from packed weight copies."""
+    """A module whose linear layers can run from packed weight copies."""
 
-    _packed: dict | None = None  # name -> (inference copy of the weight, the linear that applies it): pack_for_inference
+    _packed: dict | None = None  # name -> (inference copy of the weight, the linear that applies it, input dtype, bias)
+
+    def stacks(self) -> tuple[tuple[str, ...], ...]:
+        """Groups of sibling linears (their last name part) that read the same input: each gets one stacked
+        copy (a decoder layer's q, k and v; gate and up)."""
+        return (("q", "k", "v"), ("gate", "up"))
 
     def pack_for_inference(self, dtype: torch.dtype, quantized: bool = False) -> None:
         """Draft with copies of the linear weights in `dtype`, in oneDNN's layout on CPU (fast/packed.py).
@@ -93,43 +98,47 @@ class PackedLinears:
         bf16 copy); the verification keeps the output lossless whatever the head computes. The trained
         parameters are untouched (training and saving never see the copies); activations stay float32
         between the linears (qmm.py's 8-bit kernel reads them as they are; the other copies take them in
-        `dtype`). Linears that read the same input (a layer's q, k and v; gate and up) also get one copy
-        of their weights stacked, so that `lins` applies them in one call (one pass over the input, one
-        kernel call instead of three; per output channel the same arithmetic)."""
+        `dtype`). Linears that read the same input (`stacks`) also get one copy of their weights stacked,
+        so that `lins` applies them in one call (one pass over the input, one kernel call instead of
+        several; per output channel the same arithmetic). Biases stay float32 and are added after."""
         from verispec.fast import quant, qmm
         from verispec.fast.packed import linear_for
 
-        device = self.fc.weight.device
-        pack, lin = linear_for(dtype, device)
-        eight = quantized and quant.available("q8", dtype, device) is None
-        if not eight and lin is F.linear and dtype == self.fc.weight.dtype:
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, nn.Linear)}
+        first = next(iter(linears.values())).weight
+        pack, lin = linear_for(dtype, first.device)
+        eight = quantized and quant.available("q8", dtype, first.device) is None
+        if not eight and lin is F.linear and dtype == first.dtype:
             self._packed = None
             return
-        linears = {name: m.weight.detach() for name, m in self.named_modules() if isinstance(m, nn.Linear)}
-        groups = {}
+        copies = {name: (m.weight.detach(), None if m.bias is None else m.bias.detach()) for name, m in linears.items()}
         for name in linears:
             stem, _, leaf = name.rpartition(".")
-            for group in (("q", "k", "v"), ("gate", "up")):
+            for group in self.stacks():
                 if leaf == group[0] and all(f"{stem}.{g}".lstrip(".") in linears for g in group):
                     names = tuple(f"{stem}.{g}".lstrip(".") for g in group)
-                    groups[names] = torch.cat([linears[n] for n in names], dim=0)
+                    biases = [copies[n][1] for n in names]
+                    copies[names] = (torch.cat([copies[n][0] for n in names], dim=0),
+                                     None if biases[0] is None else torch.cat(biases))
         self._packed = {}
-        for name, w in [*linears.items(), *groups.items()]:
+        for name, (w, b) in copies.items():
             if eight:
                 qw = quant.prepare(w.float(), "q8", dtype)
                 # qmm takes float32 activations itself (its 8-bit groups round them): no copy in dtype first
-                self._packed[name] = (qw, quant.linear, None if isinstance(qw, qmm.QWeight) else dtype)
+                self._packed[name] = (qw, quant.linear, None if isinstance(qw, qmm.QWeight) else dtype, b)
             else:
-                self._packed[name] = (pack(w.to(dtype)), lin, dtype)
+                self._packed[name] = (pack(w.to(dtype)), lin, dtype, b)
 
-    def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def lin(self, name, x: torch.Tensor) -> torch.Tensor:
         """The linear layer `name` (a submodule path) applied to x (the packed copy when there is one)."""
         if self._packed is None:
             return self.get_submodule(name)(x)
-        w, linear, dtype = self._packed[name]
+        w, linear, dtype, b = self._packed[name]
         flat = x.reshape(-1, x.shape[-1])
-        out = linear(flat if dtype is None else flat.to(dtype), w)
-        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        out = linear(flat if dtype is None else flat.to(dtype), w).to(x.dtype)
+        if b is not None:
+            out = out + b
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def lins(self, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The linear layers `names` applied to the same x: one call on their stacked copy where

@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import HeadDrafting, load_module
+from verispec.drafters.head_parts import HeadDrafting, PackedLinears, load_module
+from verispec.fast import quant
 from verispec.tree import Candidate, DynamicTree, StaticTree, build_tree, to_proposal
 from verispec.types import Proposal, SamplingParams, StepResult
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(PackedLinears, nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         self.config = config
@@ -55,12 +56,15 @@ class MedusaHeads(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(target_lm_weight[self.d2t].float())
 
+    def stacks(self) -> tuple[tuple[str, ...], ...]:
+        return (tuple(str(k) for k in range(self.num_heads)),)  # every block reads h: one stacked copy
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] (the target's final normed hidden state) -> logits [..., K, Vd] (head k predicts
         the token k + 1 positions after h's)."""
         h = h.to(self.lm_head.weight.dtype)
-        outs = [h + F.silu(block(h)) for block in self.blocks]
-        return self.lm_head(torch.stack(outs, dim=-2)).float()
+        outs = [h + F.silu(y) for y in self.lins(tuple(f"blocks.{k}" for k in range(self.num_heads)), h)]
+        return self.lin("lm_head", torch.stack(outs, dim=-2)).float()
 
 
 def load_medusa_heads(target, head: str | Path | None = None, device=None) -> MedusaHeads:
@@ -114,8 +118,12 @@ class PositionDrafting(HeadDrafting):
 class MedusaDrafter(PositionDrafting):
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, target_vocab_size: int):
+    def __init__(self, heads: MedusaHeads, target_vocab_size: int, weights_dtype: torch.dtype | None = None,
+                 quantized: bool = False):
+        """weights_dtype, quantized: as EagleDrafter's (PackedLinears.pack_for_inference)."""
         self.heads = heads.eval()
+        if weights_dtype is not None:
+            heads.pack_for_inference(weights_dtype, quantized)
         self.vocab = int(target_vocab_size)
         self.feature_layers = list(heads.feature_layers)
         self.device = next(heads.parameters()).device
@@ -126,7 +134,8 @@ class MedusaDrafter(PositionDrafting):
 
     @classmethod
     def for_target(cls, target, head: str | Path | None = None) -> "MedusaDrafter":
-        return cls(load_medusa_heads(target, head), target.vocab_size)
+        return cls(load_medusa_heads(target, head), target.vocab_size, weights_dtype=target.dtype,
+                   quantized=quant.target_format(target) != "bf16")
 
     def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         self.params, self.generator = params, generator

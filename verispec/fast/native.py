@@ -278,11 +278,139 @@ at::Tensor layers_canonical(at::Tensor x, const std::vector<std::vector<at::Tens
   return s.sum();
 }
 
+// ---- drafters/eagle.py: EagleDrafter._run (the head's layers over m new entries) as one call
+// Its operations as EagleHead.inputs / qkv / finish and head_parts issue them: RMSNorm (the kernel where it runs,
+// else its own composite), PackedLinears.lin (the input cast to the copy's dtype where it has one, the output
+// back to the activations' dtype), head_parts.rotary / rotate, the cache writes, scaled_dot_product_attention.
+
+// RMSNorm.forward in inference: the kernel where norm.runs_on takes x, else the module's own composite
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const auto t = x.scalar_type();
+  if (norm_kernel && x.is_cpu() && w.scalar_type() == t && float_type(t)) return norm(x, w, eps);
+  at::Tensor h = x.to(at::kFloat);
+  return (h * at::rsqrt(h.pow(2).mean({-1}, true) + eps)).to(t) * w;
+}
+
+// The head's linears: per linear its kind, two weight tensors and the dtype its input is cast to (None: as is);
+// a group (q, k, v; gate, up) is one stacked linear whose output is split, or one linear per member
+struct HeadLinears {
+  std::vector<int64_t> kinds;
+  std::vector<at::Tensor> w;
+  std::vector<std::optional<at::Tensor>> in;
+  at::Tensor apply(const at::Tensor& x, int64_t i) const {  // x [..., K] -> [..., N]
+    at::Tensor flat = x.reshape({-1, x.size(-1)});
+    if (in[i].has_value()) flat = flat.to(in[i]->scalar_type());
+    at::Tensor out = linear(flat, kinds[i], w[2 * i], w[2 * i + 1], std::nullopt).to(x.scalar_type());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(out.size(-1));
+    return out.reshape(shape);
+  }
+  // linears first .. first + count - 1 applied to x: one stacked linear split by `sizes`, or each
+  std::vector<at::Tensor> group(const at::Tensor& x, int64_t first, int64_t count, at::IntArrayRef sizes) const {
+    if (count == 1) return apply(x, first).split_with_sizes(sizes, -1);
+    std::vector<at::Tensor> out;
+    for (int64_t i = 0; i < count; ++i) out.push_back(apply(x, first + i));
+    return out;
+  }
+};
+
+// ids [m] long, g [m, H] features (projected), pos [m], slots [m] long, mask [m, L] bool; K, V [layers, nkv, S, hd]
+// (written at slots); embed the target's table; norms: norm_e, norm_h, then per layer ln1 (layer 0 of the eagle3
+// layout: none, the verispec layout's ln1), ln2, then nothing; lin_at: per layer the index of its first linear
+// (verispec layout: linear 0 is inp), groups: per layer the linears in its qkv and gate/up groups (1 or 3, 1 or 2)
+// -> the last layer's output [m, H]
+at::Tensor eagle_run(const at::Tensor& ids, const at::Tensor& g, const at::Tensor& pos, const at::Tensor& slots,
+                     const at::Tensor& mask, at::Tensor K, at::Tensor V, const at::Tensor& embed,
+                     const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
+                     const std::vector<at::Tensor>& w, const std::vector<std::optional<at::Tensor>>& in,
+                     const std::vector<int64_t>& lin_at, const std::vector<int64_t>& qkv_count,
+                     const std::vector<int64_t>& gu_count, const at::Tensor& inv_freq, bool eagle3,
+                     bool norm_before_residual, int64_t nh, int64_t nkv, int64_t hd, int64_t inter, double eps) {
+  const HeadLinears L{kinds, w, in};
+  const int64_t m = ids.size(0), H = g.size(-1), layers = static_cast<int64_t>(lin_at.size());
+  at::Tensor e = head_norm(at::embedding(embed, ids).to(g.scalar_type()), norms[0], eps);
+  at::Tensor gn = head_norm(g, norms[1], eps);
+  at::Tensor x = eagle3 ? at::cat({e, gn, norm_before_residual ? gn : g}, -1) : L.apply(at::cat({e, gn}, -1), 0);
+  const int64_t Lk = mask.size(1);
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t a = lin_at[l];
+    const at::Tensor& ln1 = norms[2 + 2 * l];
+    at::Tensor h = l == 0 && eagle3 ? x.slice(-1, 0, x.size(-1) - H) : head_norm(x, ln1, eps);
+    auto qkv = L.group(h, a, qkv_count[l], {nh * hd, nkv * hd, nkv * hd});
+    at::Tensor q = qkv[0].reshape({m, nh, hd}).transpose(-3, -2);
+    at::Tensor k = qkv[1].reshape({m, nkv, hd}).transpose(-3, -2);
+    at::Tensor v = qkv[2].reshape({m, nkv, hd}).transpose(-3, -2);
+    at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * inv_freq;
+    at::Tensor c = freqs.cos(), sn = freqs.sin();
+    at::Tensor cos = at::cat({c, c}, -1).unsqueeze(-3).to(q.scalar_type());
+    at::Tensor sin = at::cat({-sn, sn}, -1).unsqueeze(-3).to(q.scalar_type());
+    q = q * cos + q.roll({hd / 2}, {-1}) * sin;
+    k = k * cos + k.roll({hd / 2}, {-1}) * sin;
+    at::Tensor Kl = K.select(0, l), Vl = V.select(0, l);
+    Kl.index_put_({at::indexing::Slice(), slots}, k);
+    Vl.index_put_({at::indexing::Slice(), slots}, v);
+    at::Tensor attn = at::scaled_dot_product_attention(
+        q.unsqueeze(0), Kl.unsqueeze(0).slice(2, 0, Lk), Vl.unsqueeze(0).slice(2, 0, Lk),
+        mask.unsqueeze(0).unsqueeze(0), 0.0, false, std::nullopt, nh != nkv).select(0, 0);
+    at::Tensor r = l == 0 && eagle3 ? x.slice(-1, x.size(-1) - H) : x;
+    const int64_t o_at = a + qkv_count[l];
+    x = r + L.apply(attn.transpose(-3, -2).reshape({m, -1}), o_at);
+    auto gu = L.group(head_norm(x, norms[3 + 2 * l], eps), o_at + 1, gu_count[l], {inter, inter});
+    x = x + L.apply(at::silu(gu[0]) * gu[1], o_at + 1 + gu_count[l]);
+  }
+  return x;
+}
+
+// ---- drafters/dflash.py: BlockDrafterModel.blocks at inference (no mask) as one call
+// x [b, R, H] block rows at positions pos [b, R]; ctx_k, ctx_v per layer [b, nkv, S, hd]; norms: per layer ln1, ln2,
+// then the final norm; linears: per layer its qkv group, o, its gate/up group, down (lin_at: the first of each
+// layer), then lm_head -> logits [b, R, Vd] in float32
+at::Tensor dflash_blocks(at::Tensor x, const at::Tensor& pos, const std::vector<at::Tensor>& ctx_k,
+                         const std::vector<at::Tensor>& ctx_v, const std::vector<at::Tensor>& norms,
+                         const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& w,
+                         const std::vector<std::optional<at::Tensor>>& in, const std::vector<int64_t>& lin_at,
+                         const std::vector<int64_t>& qkv_count, const std::vector<int64_t>& gu_count,
+                         const at::Tensor& inv_freq, int64_t nh, int64_t nkv, int64_t hd, int64_t inter, double eps) {
+  const HeadLinears L{kinds, w, in};
+  const int64_t layers = static_cast<int64_t>(lin_at.size());
+  std::optional<at::Tensor> cos, sin;  // the same positions in every layer
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t a = lin_at[l];
+    at::Tensor h = head_norm(x, norms[2 * l], eps);
+    auto qkv = L.group(h, a, qkv_count[l], {nh * hd, nkv * hd, nkv * hd});
+    auto heads = [&](const at::Tensor& t, int64_t n) {
+      std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end() - 1);
+      shape.push_back(n);
+      shape.push_back(hd);
+      return t.reshape(shape).transpose(-3, -2);
+    };
+    at::Tensor q = heads(qkv[0], nh), k = heads(qkv[1], nkv), v = heads(qkv[2], nkv);
+    if (!cos.has_value()) {
+      at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * inv_freq;
+      at::Tensor c = freqs.cos(), sn = freqs.sin();
+      cos = at::cat({c, c}, -1).unsqueeze(-3).to(q.scalar_type());
+      sin = at::cat({-sn, sn}, -1).unsqueeze(-3).to(q.scalar_type());
+    }
+    q = q * *cos + q.roll({hd / 2}, {-1}) * *sin;
+    k = k * *cos + k.roll({hd / 2}, {-1}) * *sin;
+    at::Tensor K = at::cat({ctx_k[l].to(k.scalar_type()), k}, -2);
+    at::Tensor V = at::cat({ctx_v[l].to(v.scalar_type()), v}, -2);
+    at::Tensor attn = at::scaled_dot_product_attention(q, K, V, std::nullopt, 0.0, false, std::nullopt, nh != nkv);
+    const int64_t o_at = a + qkv_count[l];
+    x = x + L.apply(attn.transpose(-3, -2).flatten(-2), o_at);
+    auto gu = L.group(head_norm(x, norms[2 * l + 1], eps), o_at + 1, gu_count[l], {inter, inter});
+    x = x + L.apply(at::silu(gu[0]) * gu[1], o_at + 1 + gu_count[l]);
+  }
+  return L.apply(head_norm(x, norms[2 * layers], eps), static_cast<int64_t>(kinds.size()) - 1).to(at::kFloat);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layers", &layers);
   m.def("layers_canonical", &layers_canonical);
+  m.def("eagle_run", &eagle_run);
+  m.def("dflash_blocks", &dflash_blocks);
   m.def("use_norm_kernel", &use_norm_kernel);
   m.def("use_rope_kernel", &use_rope_kernel);
   m.def("use_glu_kernel", &use_glu_kernel);
@@ -357,3 +485,42 @@ def layer_args(arch, linear, lw: dict) -> tuple | None:
         kinds.append(k[0])
         w += [k[1], k[2]]
     return w, kinds, lw.get("bqkv"), lw.get("bo")
+
+
+def head_linears(module, pre: list[str], layers: list[str], post: list[str]) -> tuple | None:
+    """A drafter head's linears as eagle_run / dflash_blocks take them: the linears `pre`, then per decoder
+    layer (its name prefix in `layers`) its q/k/v, o, gate/up and down, then `post`, each as PackedLinears.lin /
+    lins apply it (a group: one stacked copy, or each member) -> (kinds, weights, input dtypes, index of each
+    layer's first linear, linears in each layer's q/k/v group, in its gate/up group), or None where a linear
+    has a bias or a kind the C++ does not know (the Python operations run then)."""
+    groups, firsts = list(pre), []
+    for p in layers:
+        firsts.append(len(groups))
+        groups += [(p + "q", p + "k", p + "v"), p + "o", (p + "gate", p + "up"), p + "down"]
+    groups += post
+    kinds, ws, ins, counts = [], [], [], []
+    packed = module._packed
+    for entry in groups:
+        if isinstance(entry, tuple) and (packed is None or entry not in packed):
+            members = list(entry)
+        else:
+            members = [entry]
+        for name in members:
+            if packed is None:
+                lin = module.get_submodule(name)
+                if lin.bias is not None:
+                    return None
+                got, dtype = kind_of(_PLAIN_LINEAR, lin.weight), None
+            else:
+                w, linear, dtype, bias = packed[name]
+                if bias is not None:
+                    return None
+                got = kind_of(linear, w)
+            if got is None:
+                return None
+            kinds.append(got[0])
+            ws += [got[1], got[2]]
+            ins.append(None if dtype is None else torch.empty(0, dtype=dtype))
+        counts.append(len(members))
+    at = [sum(counts[:i]) for i in firsts]
+    return kinds, ws, ins, at, [counts[i] for i in firsts], [counts[i + 2] for i in firsts]

@@ -135,7 +135,7 @@ def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], m
         make = lambda: BlockDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
         tree = DynamicTree(budget=tree_budget, depth=module.block_size - 1)
     else:
-        make = lambda: MedusaDrafter(module, target.vocab_size)  # noqa: E731
+        make = lambda: MedusaDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
         tree = StaticTree.named("medium")
     per_task, total = {}, {"chain": [0, 0], "tree": [0, 0], "top1": None, "exact": True}
     for task, prompts in sets.items():

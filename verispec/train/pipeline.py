@@ -48,6 +48,7 @@ class TrainConfig:
     dflash_layers: int = 2           # dflash: drafter layers
     head_intermediate: int | None = None  # eagle: the head's MLP width (default: the target's)
     head_layers: int = 1             # eagle: decoder layers (the first reads the features; plain ones follow)
+    feature_layers: str | None = None  # eagle, dflash: the target's hidden states read ("3,16,30"; default low, middle, high)
     block_anchors: int = 32          # dflash: blocks per sequence and step, drawn among the window's seq-len anchors
     seed: int = 0
     device: str = "cpu"
@@ -70,6 +71,30 @@ class TrainConfig:
     progress: bool = True
 
 
+def parse_layers(text: str) -> list[int]:
+    """"3,16,30" -> [3, 16, 30] (transformers' hidden-state numbering: i = output of decoder layer i - 1; the
+    number of layers = the final normed state), or InvalidParameter. The range is checked against the
+    target once it is loaded (feature_layers_for)."""
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        layers = []
+    if not layers or len(set(layers)) != len(layers) or min(layers) < 1:
+        raise InvalidParameter(f"feature-layers takes distinct hidden-state indices >= 1 separated by commas, "
+                               f"such as 3,16,30; got '{text}'")
+    return layers
+
+
+def feature_layers_for(cfg: TrainConfig, num_hidden_layers: int) -> list[int] | None:
+    """The head's feature layers (None: its default), checked against the target's depth."""
+    if cfg.feature_layers is None:
+        return None
+    layers = parse_layers(cfg.feature_layers)
+    if max(layers) > num_hidden_layers:
+        raise InvalidParameter(f"feature-layers: the target has hidden states 1..{num_hidden_layers}, not {max(layers)}")
+    return layers
+
+
 def _check(cfg: TrainConfig) -> None:
     if cfg.kind not in KINDS:
         raise InvalidParameter(f"unknown head kind '{cfg.kind}'; use one of {', '.join(KINDS)}")
@@ -87,6 +112,11 @@ def _check(cfg: TrainConfig) -> None:
                                "(the block drafter's is dflash-layers)")
     if cfg.head_layers < 1:
         raise InvalidParameter(f"head-layers must be >= 1, got {cfg.head_layers}")
+    if cfg.feature_layers is not None:
+        if cfg.kind == "medusa":
+            raise InvalidParameter("feature-layers sets what an EAGLE head or block drafter reads; Medusa heads read "
+                                   "the final hidden state")
+        parse_layers(cfg.feature_layers)
     if cfg.head_intermediate is not None and cfg.head_intermediate < 1:
         raise InvalidParameter(f"head-intermediate must be >= 1, got {cfg.head_intermediate}")
     if cfg.layout not in ("verispec", "eagle3"):
@@ -168,7 +198,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     t0 = time.perf_counter()
     L = int(target.model.config.num_hidden_layers)
-    layers = sorted(set(default_feature_layers(L)) | {L})
+    feature_layers = feature_layers_for(cfg, L)
+    layers = sorted(set(default_feature_layers(L)) | {L} | set(feature_layers or ()))
     if cfg.max_positions:  # a learning curve's point: the first shards only, and only they are extracted
         records = records[: records_within(records, cfg.max_positions, SHARD_SIZE)]
     paths = extract_features(target, records, work / "features", layers, progress=cfg.progress and rank == 0,
@@ -190,10 +221,11 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     lm = target.model.get_output_embeddings().weight.detach().float().cpu()
     if cfg.kind in ("eagle", "dflash"):
-        module = (EagleHead(EagleHead.make_config(target, d2t.numel(), layout=cfg.layout,
+        module = (EagleHead(EagleHead.make_config(target, d2t.numel(), feature_layers, layout=cfg.layout,
                                                         intermediate_size=cfg.head_intermediate,
                                                         num_layers=cfg.head_layers)) if cfg.kind == "eagle" else
-                  BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers)))
+                  BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers,
+                                                                  feature_layers)))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics
             module.lm_head.weight.copy_(lm[d2t])
@@ -209,6 +241,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         state += f"-mlp{cfg.head_intermediate}"
     if cfg.head_layers != 1:
         state += f"-layers{cfg.head_layers}"
+    if feature_layers is not None:  # other features, another state
+        state += "-f" + "-".join(map(str, feature_layers))
     if cfg.init:
         start_from(module, Path(cfg.init), d2t, target)
         state += f"-from-{Path(cfg.init).name}"
@@ -273,6 +307,10 @@ def start_from(module, head: Path, d2t: torch.Tensor, target) -> None:
     if "d2t" in tensors and not torch.equal(tensors["d2t"].long(), d2t.long()):
         raise InvalidParameter(f"the head at '{head}' drafts another vocabulary than the one these records give; "
                                "train it from scratch, or from a head trained on the same records")
+    saved_layers = [int(i) for i in config.get("feature_layers", [])]
+    if "feature_layers" in module.config and saved_layers != [int(i) for i in module.config["feature_layers"]]:
+        raise InvalidParameter(f"the head at '{head}' reads the target's hidden states {saved_layers}, not "
+                               f"{module.config['feature_layers']}; give --feature-layers as it was trained")
     have, want = int(config.get("num_layers", 1)), int(module.config.get("num_layers", 1))
     grown = range(have - 1, want - 1) if module.config["kind"] == "eagle" else range(0)
     new = tuple(f"layers.{i}." for i in grown)
