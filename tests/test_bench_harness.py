@@ -199,6 +199,12 @@ def test_summary_math_on_synthetic_runs():
     runs = [run("1", "ar", 10, 1.0, ar_stats), run("1", "sp", 10, 0.5, sp_stats)]
     s = harness.summarize(runs)["sp"]["overall"]
     assert s["speedup"] == pytest.approx(2.0)
+    assert s["decode_speedup"] == pytest.approx(2.0)  # no prefill: the same ratio
+    # a prefill of 0.3 s in both: end to end 1.3 / 0.8, decoding alone 1.0 / 0.5
+    pre = [run("1", "ar", 10, 1.3, dict(ar_stats, prefill_time=0.3)), run("1", "sp", 10, 0.8, dict(sp_stats, prefill_time=0.3))]
+    p = harness.summarize(pre)["sp"]["overall"]
+    assert p["speedup"] == pytest.approx(1.3 / 0.8) and p["decode_speedup"] == pytest.approx(2.0)
+    assert p["decode_tokens_per_second"] == pytest.approx(20.0)
     assert s["mean_accepted_length"] == pytest.approx(2.5) and s["acceptance_rate"] == pytest.approx(0.5)
     assert s["acceptance_by_position"] == pytest.approx([0.75, 0.5, 0.25])
     assert s["draft_share"] == pytest.approx(0.2)

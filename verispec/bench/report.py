@@ -88,7 +88,9 @@ def markdown(result: dict) -> str:
            + (f", draft model {cfg['draft']}" if cfg.get("draft") else ""),
            f"- machine: {hw}, {env.get('torch_threads')} torch threads (kernels on {env.get('kernel_threads')}); torch {env['torch']}, "
            f"transformers {env['transformers']}, verispec {env.get('verispec')} ({env.get('git_commit')}), {env['time_utc']}",
-           "- speedup: tokens/s over plain decoding (ar) measured in the same run on the same questions; "
+           "- speedup: tokens/s over plain decoding (ar) measured in the same run on the same questions, prefill "
+           "included; decode speedup: the same without each turn's prefill (the same work for every method, which "
+           "speculation cannot shorten; with short answers and long prompts it is much of the time); "
            "tau: tokens per target forward; alpha: accepted / drafted; predicted: tau / (k c + 1) (flat) or "
            "with the roofline's verification cost (curve)"]
     for name, why in (cfg.get("skipped_contenders") or {}).items():
@@ -103,7 +105,7 @@ def markdown(result: dict) -> str:
 
 
 def _table(result: dict, overall_only: bool) -> str:
-    head = ["method", "category", "questions", "tok/s", "speedup", "tau", "alpha", "draft share",
+    head = ["method", "category", "questions", "tok/s", "speedup", "decode speedup", "tau", "alpha", "draft share",
             "predicted (flat)", "predicted (curve)", "= plain"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, entry in result["summary"].items():
@@ -111,6 +113,7 @@ def _table(result: dict, overall_only: bool) -> str:
         for cat, a in groups:
             rows.append("| " + " | ".join([
                 label, cat, str(a["questions"]), _fmt(a["tokens_per_second"], ".1f"), _fmt(a.get("speedup"), ".2f") + "x",
+                _fmt(a.get("decode_speedup"), ".2f") + ("x" if a.get("decode_speedup") is not None else ""),
                 _fmt(a.get("mean_accepted_length")), _fmt(a.get("acceptance_rate")),
                 _fmt(a.get("draft_share"), ".0%") if a.get("draft_share") is not None else "-",
                 _fmt(a.get("predicted_speedup_flat")), _fmt(a.get("predicted_speedup_curve")),
@@ -250,8 +253,8 @@ def compare(paths: list[str | Path], out_dir: str | Path | None = None) -> tuple
             lines += [f"**{p.name}: {m}**" for m in batch_mismatches(d)]
     if benches:
         lines += ["## Bench (overall)", "",
-                  "| run | model | method | questions | tok/s | speedup | tau | alpha | = plain | mismatches |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| run | model | method | questions | tok/s | speedup | decode speedup | tau | alpha | = plain | mismatches |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for p, d in benches:
             nm = {}
             for m in d.get("mismatches", []):
@@ -259,7 +262,8 @@ def compare(paths: list[str | Path], out_dir: str | Path | None = None) -> tuple
             for label, entry in d["summary"].items():
                 a = entry["overall"]
                 lines.append(f"| {_run_name(p, d)} | {d['config']['model']} | {label} | {a['questions']} | "
-                             f"{a['tokens_per_second']:.1f} | {_fmt(a.get('speedup'))}x | {_fmt(a.get('mean_accepted_length'))} | "
+                             f"{a['tokens_per_second']:.1f} | {_fmt(a.get('speedup'))}x | {_fmt(a.get('decode_speedup'))}x | "
+                             f"{_fmt(a.get('mean_accepted_length'))} | "
                              f"{_fmt(a.get('acceptance_rate'))} | {a['matches_plain']}/{a['questions']} | "
                              f"{'**' + str(nm[label]) + '**' if nm.get(label) else 0} |")
         for p, d in benches:
