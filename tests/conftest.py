@@ -148,3 +148,33 @@ def distilled_features(target, folder):
     layers = sorted(set(default_feature_layers(L)) | {L})
     paths = extract_features(target, records, folder, layers, shard_size=5, progress=False)
     return records, paths, layers
+
+
+def skip_without_native(copies: str) -> None:
+    """Skip where the native extension is not built, or 8-bit copies are asked for and no 8-bit kernel runs."""
+    from verispec.fast import native, quant
+
+    if native.module() is None:
+        pytest.skip(native.status())
+    why = quant.available("q8", torch.bfloat16, torch.device("cpu")) if copies == "8-bit" else None
+    if why is not None:
+        pytest.skip(f"no 8-bit kernel here: {why}")
+
+
+def feature_drafter(cls, module, vocab_size: int, ctx: list[int], feats, copies: str, python: bool):
+    """A trained-head drafter (EagleDrafter, BlockDrafter) over a copy of `module`, with weight copies as
+    `copies` says ("none", "bf16", "8-bit"), its native step turned off where `python` (else checked to
+    run), begun on ctx and fed the target features of ctx[:-1]."""
+    import copy
+
+    from verispec.types import SamplingParams
+
+    d = cls(copy.deepcopy(module).eval(), vocab_size, weights_dtype=None if copies == "none" else torch.bfloat16,
+            quantized=copies == "8-bit")
+    if python:
+        d._native = (False,)
+    else:
+        assert d._native_args() is not None
+    d.begin(ctx, SamplingParams(), None)
+    d.observe_features(feats)
+    return d

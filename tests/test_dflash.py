@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import distilled_features, loaded, tiny_llama
+from conftest import distilled_features, feature_drafter, loaded, skip_without_native, tiny_llama
 from verispec.drafters.dflash import (BlockDrafter, BlockDrafterModel, block_logits_for_anchors, load_block_drafter,
                                       position_weights)
 from verispec.engine import Engine
@@ -75,27 +75,13 @@ def test_greedy_exact_tiny(dtype, backend, tree):
 def test_the_native_block_forward_computes_the_python_bits(tiny, copies):
     """BlockDrafterModel.blocks at inference as one native call (native.dflash_blocks) against its Python
     operations, the reference: the same block logits and drafts, bit for bit, for every kind of weight copy."""
-    import copy
-
-    from verispec.fast import native, quant
-
-    if native.module() is None:
-        pytest.skip(native.status())
-    if copies == "8-bit" and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
-        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    skip_without_native(copies)
     model = random_drafter_model(tiny, vocab=24, block_size=5, layers=2)
     ctx = PROMPTS[2]
     feats = torch.randn(len(ctx) - 1, model.fc.in_features)
-    dtype = None if copies == "none" else torch.bfloat16
 
     def drafts(python: bool):
-        d = BlockDrafter(copy.deepcopy(model), tiny.vocab_size, weights_dtype=dtype, quantized=copies == "8-bit")
-        if python:
-            d._native = (False,)
-        else:
-            assert d._native_args() is not None
-        d.begin(ctx, SamplingParams(), None)
-        d.observe_features(feats)
+        d = feature_drafter(BlockDrafter, model, tiny.vocab_size, ctx, feats, copies, python)
         with torch.no_grad():
             lg = d.block_logits(ctx)
             tree = d.propose_tree(ctx, DynamicTree(budget=8, topk=3, depth=4))

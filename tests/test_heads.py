@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import loaded, tiny_gemma3, tiny_llama
+from conftest import feature_drafter, loaded, skip_without_native, tiny_gemma3, tiny_llama
 from verispec.drafters.base import Drafter
 from verispec.drafters.eagle import EagleDrafter, EagleHead
 from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
@@ -354,14 +354,7 @@ def test_the_native_eagle_step_computes_the_python_bits(tiny, layout, layers, co
     """EagleDrafter._run as one native call (native.eagle_run) against its Python operations, the reference:
     the same head outputs, cache entries, chains and trees, bit for bit, for both layouts, later layers and
     every kind of weight copy; with VERISPEC_NATIVE=0 or no compiler the Python operations run."""
-    import copy
-
-    from verispec.fast import native, quant
-
-    if native.module() is None:
-        pytest.skip(native.status())
-    if copies == "8-bit" and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
-        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    skip_without_native(copies)
     torch.manual_seed(3)
     head = EagleHead(EagleHead.make_config(tiny, 24, layout=layout, num_layers=layers))
     head.d2t.copy_(torch.randperm(tiny.vocab_size)[:24])
@@ -371,16 +364,9 @@ def test_the_native_eagle_step_computes_the_python_bits(tiny, layout, layers, co
     head.attach_embedding(tiny.model.get_input_embeddings().weight)
     ctx = PROMPTS[2]
     feats = torch.randn(len(ctx) - 1, head.fc.in_features)
-    dtype = None if copies == "none" else torch.bfloat16
 
     def drafts(python: bool):
-        d = EagleDrafter(copy.deepcopy(head).eval(), tiny.vocab_size, weights_dtype=dtype, quantized=copies == "8-bit")
-        if python:
-            d._native = (False,)
-        else:
-            assert d._native_args() is not None
-        d.begin(ctx, SamplingParams(), None)
-        d.observe_features(feats)
+        d = feature_drafter(EagleDrafter, head, tiny.vocab_size, ctx, feats, copies, python)
         with torch.no_grad():
             h = d.sync(ctx)
             chain = d.propose(ctx, 4).tokens.tolist()
