@@ -16,7 +16,9 @@ target's features) makes one such call per stretch of layers up to a captured on
 What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP) with projections that
 are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones
 (F.linear), or packed.py's bf16 hybrid of AVX2 CPUs (F.linear at one row, the widened float32 copy at more);
-anything else (Gemma 3, Qwen3) runs core.layer_step. Built on first use with
+anything else (Gemma 3, Qwen3) runs core.layer_step. The trained drafters' layers run the same way
+(`eagle_run`: EagleDrafter._run; `dflash_blocks`: BlockDrafterModel.blocks at inference), their Python
+code the reference (tests/test_heads.py, tests/test_dflash.py check the bits). Built on first use with
 torch.utils.cpp_extension (a C++ compiler is needed; setup.sh builds it once); where the build fails
 or VERISPEC_NATIVE=0 the Python step runs, and `status()` says why.
 """
@@ -316,8 +318,8 @@ struct HeadLinears {
 
 // ids [m] long, g [m, H] features (projected), pos [m], slots [m] long, mask [m, L] bool; K, V [layers, nkv, S, hd]
 // (written at slots); embed the target's table; norms: norm_e, norm_h, then per layer ln1 (layer 0 of the eagle3
-// layout: none, the verispec layout's ln1), ln2, then nothing; lin_at: per layer the index of its first linear
-// (verispec layout: linear 0 is inp), groups: per layer the linears in its qkv and gate/up groups (1 or 3, 1 or 2)
+// layout: none, the verispec layout's ln1), ln2; lin_at: per layer the index of its first linear (verispec layout:
+// linear 0 is inp); qkv_count, gu_count: per layer the linears of its q/k/v and gate/up groups (1 or 3, 1 or 2)
 // -> the last layer's output [m, H]
 at::Tensor eagle_run(const at::Tensor& ids, const at::Tensor& g, const at::Tensor& pos, const at::Tensor& slots,
                      const at::Tensor& mask, at::Tensor K, at::Tensor V, const at::Tensor& embed,
