@@ -150,15 +150,23 @@ def distilled_features(target, folder):
     return records, paths, layers
 
 
+def skip_without_8bit() -> None:
+    """Skip where no 8-bit kernel runs for bfloat16 on this CPU (the heads' copies for a quantized target)."""
+    from verispec.fast import quant
+
+    why = quant.available("q8", torch.bfloat16, torch.device("cpu"))
+    if why is not None:
+        pytest.skip(f"no 8-bit kernel here: {why}")
+
+
 def skip_without_native(copies: str) -> None:
     """Skip where the native extension is not built, or 8-bit copies are asked for and no 8-bit kernel runs."""
-    from verispec.fast import native, quant
+    from verispec.fast import native
 
     if native.module() is None:
         pytest.skip(native.status())
-    why = quant.available("q8", torch.bfloat16, torch.device("cpu")) if copies == "8-bit" else None
-    if why is not None:
-        pytest.skip(f"no 8-bit kernel here: {why}")
+    if copies == "8-bit":
+        skip_without_8bit()
 
 
 def feature_drafter(cls, module, vocab_size: int, ctx: list[int], feats, copies: str, python: bool):

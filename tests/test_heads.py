@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import feature_drafter, loaded, skip_without_native, tiny_gemma3, tiny_llama
+from conftest import feature_drafter, loaded, skip_without_8bit, skip_without_native, tiny_gemma3, tiny_llama
 from verispec.drafters.base import Drafter
 from verispec.drafters.eagle import EagleDrafter, EagleHead
 from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
@@ -156,10 +156,8 @@ def test_stacked_copies_compute_what_each_linear_does(tiny, quantized):
     """q/k/v and gate/up run through one stacked packed copy each (PackedLinears.lins): the same outputs as
     the separate copies (8-bit: the same bits, a scale per output channel and the activations' groups per
     row; bf16: to the matmul's summation order), split to each layer's width; without copies each layer."""
-    from verispec.fast import quant
-
-    if quantized and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
-        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    if quantized:
+        skip_without_8bit()
     head = random_eagle(tiny, vocab=24)
     x = torch.randn(3, head.hidden)
     want = [head.get_submodule(n)(x) for n in ("q", "k", "v")]
@@ -316,10 +314,8 @@ def test_medusa_heads_draft_from_packed_copies(tiny, plain_outputs, quantized):
     parameters' to the copies' rounding, the state dict gains nothing, and the output equals plain decoding."""
     import copy
 
-    from verispec.fast import quant
-
-    if quantized and quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
-        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    if quantized:
+        skip_without_8bit()
     heads = random_medusa(tiny, heads=3, vocab=24)
     with torch.no_grad():
         for block in heads.blocks:
@@ -384,8 +380,7 @@ def test_a_quantized_targets_head_drafts_with_8_bit_weights(tiny, plain_outputs)
     the output stays exact; the drafter built for such a target asks for it."""
     from verispec.fast import quant
 
-    if quant.available("q8", torch.bfloat16, torch.device("cpu")) is not None:
-        pytest.skip(f"no 8-bit kernel here: {quant.available('q8', torch.bfloat16, torch.device('cpu'))}")
+    skip_without_8bit()
     head = random_eagle(tiny, vocab=24)
     x = torch.randn(5, head.fc.in_features)
     ids = torch.tensor([1, 4, 9, 2, 7])
