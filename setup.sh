@@ -21,19 +21,8 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
     echo "note: install Debian's chromium and chromium-driver for the browser test (or set VERISPEC_SKIP_BROWSER=1)"
   fi
 fi
-# the fast path's native layer step (verispec/fast/native.py), built once here so that the first run does
-# not wait for the compiler; without a C++ compiler the Python step runs
-.venv/bin/python -c "from verispec.fast import native; print('fast path layer step:', native.status())"
-# and the 4/8-bit kernel of the quantized weights (verispec/fast/qmm.py; AVX-512 VNNI CPUs, else PyTorch's)
-.venv/bin/python -c "from verispec.fast import qmm; print('quantized weights kernel:', qmm.available() or 'qmm')"
-# and exact mode's attention kernel (verispec/fast/attend.py; PyTorch's operations without it)
-.venv/bin/python -c "from verispec.fast import attend; print('exact attention kernel:', attend.available() or 'attend')"
-# and the RMSNorm kernel (verispec/fast/norm.py; torch.rms_norm without it)
-.venv/bin/python -c "from verispec.fast import norm; print('rms_norm kernel:', norm.available() or 'rms_norm')"
-# and the rotary-embedding + cache-write kernel (verispec/fast/rope.py; PyTorch's operations without it)
-.venv/bin/python -c "from verispec.fast import rope; print('rope kernel:', rope.available() or 'rope_store')"
-# and the gated MLP's SiLU * up kernel (verispec/fast/glu.py; PyTorch's operations without it)
-.venv/bin/python -c "from verispec.fast import glu; print('silu_mul kernel:', glu.available() or 'silu_mul')"
-# and how many threads those kernels split a pass over (an OpenMP build: torch's threads; verispec/fast/ops.py)
-.venv/bin/python -c "from verispec.fast import ops; print('kernel threads:', ops.parallel_threads())"
+# the fast path's C++ kernels (verispec/csrc; the native layer step, the 4/8-bit, attention, RMSNorm, rope and
+# SiLU kernels) and their thread count, built once here through verispec/fast/ops.py so that the first run
+# does not wait for the compiler; without a C++ compiler (or on another CPU) PyTorch's operations run
+.venv/bin/python -m verispec.fast.build
 .venv/bin/python -c "import torch, transformers, verispec; print('verispec ready: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -40,19 +40,37 @@ def parse(ap: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
-def op_at_revision(rev: str, path: str, op: str, build) -> object:
-    """The C++ operator `op` of the module at `path` as it was at git revision `rev`, registered as
-    torch.ops.verispec.<op>_at_rev beside the current one: its _SOURCE with the operator renamed, built by
-    build(name, source) (the module's own loader, e.g. ops.load_for_cpu), for in-process A/B timings."""
+def op_at_revision(rev: str, source: str, op: str, flags) -> object:
+    """The C++ operator `op` of verispec/csrc/<source> as it was at git revision `rev` (before the C++ moved
+    there: the `_SOURCE` string of verispec/fast/<the module>.py), registered as torch.ops.verispec.<op>_at_rev
+    beside the current one: its source with the operator renamed, built by ops.py's loader with `flags` (an
+    ops.Flags, the kernel's own), for in-process A/B timings."""
     import subprocess
+    import tempfile
     import types
+    from pathlib import Path
 
     import torch
 
-    text = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
-    mod = types.ModuleType(f"{op}_at_rev")
-    exec(compile(text, f"{path}@{rev}", "exec"), mod.__dict__)  # noqa: S102 - the project's own source
-    source = (mod._SOURCE.replace("TORCH_LIBRARY(verispec,", "TORCH_LIBRARY_FRAGMENT(verispec,")
-              .replace(f'm.def("{op}(', f'm.def("{op}_at_rev(').replace(f'm.impl("{op}"', f'm.impl("{op}_at_rev"'))
-    build(f"{op}_at_{rev[:12]}", source)
+    from verispec.fast import ops
+
+    def show(path: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+
+    got = show(f"verispec/csrc/{source}")
+    if got.returncode == 0:
+        text = got.stdout
+    else:  # a revision from before verispec/csrc: the module held its C++ as a string
+        module = {"native_step.cpp": "native.py"}.get(source, source.replace(".cpp", ".py"))
+        old = show(f"verispec/fast/{module}")
+        if old.returncode != 0:
+            raise SystemExit(f"{rev} has neither verispec/csrc/{source} nor verispec/fast/{module}")
+        mod = types.ModuleType(f"{op}_at_rev")
+        exec(compile(old.stdout, f"verispec/fast/{module}@{rev}", "exec"), mod.__dict__)  # noqa: S102 - the project's own source
+        text = mod._SOURCE
+    text = (text.replace("TORCH_LIBRARY(verispec,", "TORCH_LIBRARY_FRAGMENT(verispec,")
+            .replace(f'm.def("{op}(', f'm.def("{op}_at_rev(').replace(f'm.impl("{op}"', f'm.impl("{op}_at_rev"'))
+    path = Path(tempfile.mkdtemp()) / f"{op}_at_{rev[:12]}.cpp"
+    path.write_text(text)
+    ops.load(ops.Kernel(str(path), flags.cflags, flags.tag))
     return getattr(torch.ops.verispec, f"{op}_at_rev")

@@ -37,7 +37,7 @@ def _sweep(new, old) -> int:
 
 def main() -> None:
     ap = options(__doc__, threads=1, json=None)
-    ap.add_argument("--against", required=True, help="a git revision whose attend.py to compare with")
+    ap.add_argument("--against", required=True, help="a git revision whose attend kernel (verispec/csrc/attend.cpp) to compare with")
     ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("H", "KVH", "D"))
     ap.add_argument("--shapes", nargs="+", default=["1:201", "8:208", "16:216", "1:1000", "8:1008"], help="rows:columns")
     ap.add_argument("--rounds", type=int, default=7)
@@ -49,7 +49,7 @@ def main() -> None:
     from verispec.fast import ops
 
     new = torch.ops.verispec.attend
-    old = op_at_revision(args.against, "verispec/fast/attend.py", "attend", ops.load_for_cpu)
+    old = op_at_revision(args.against, "attend.cpp", "attend", ops.for_cpu())
     cases = _sweep(new, old)
     print(f"bit-equal to {args.against} on {cases} cases")
     H, KVH, D = args.heads

@@ -45,7 +45,7 @@ def _sweep(new, old) -> int:
 
 def main() -> None:
     ap = options(__doc__, threads=1, json=None)
-    ap.add_argument("--against", required=True, help="a git revision whose qmm.py to compare with")
+    ap.add_argument("--against", required=True, help="a git revision whose qmm kernel (verispec/csrc/qmm.cpp) to compare with")
     ap.add_argument("--shapes", nargs="*", default=["4:1536x576", "4:576x1536", "8:49152x576"],
                     help="bits:NxK (default: SmolLM2-135M's gate/up and down projections and its 8-bit LM head)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 3, 4, 8, 16])
@@ -57,7 +57,7 @@ def main() -> None:
     if qmm.available() is not None:
         raise SystemExit(f"the qmm kernel does not run here: {qmm.available()}")
     new = torch.ops.verispec.qmm
-    old = op_at_revision(args.against, "verispec/fast/qmm.py", "qmm", lambda name, src: ops.load(f"verispec_{name}", src, ["-O3"]))
+    old = op_at_revision(args.against, "qmm.cpp", "qmm", ops.Flags(("-O3",)))
     cases = _sweep(new, old)
     print(f"bit-equal to {args.against} on {cases} cases")
     g = torch.Generator().manual_seed(1)
