@@ -45,9 +45,9 @@ def op_at_revision(rev: str, source: str, op: str, flags) -> object:
     there: the `_SOURCE` string of verispec/fast/<the module>.py), registered as torch.ops.verispec.<op>_at_rev
     beside the current one: its source with the operator renamed, built by ops.py's loader with `flags` (an
     ops.Flags, the kernel's own), for in-process A/B timings."""
+    import ast
     import subprocess
     import tempfile
-    import types
     from pathlib import Path
 
     import torch
@@ -65,9 +65,9 @@ def op_at_revision(rev: str, source: str, op: str, flags) -> object:
         old = show(f"verispec/fast/{module}")
         if old.returncode != 0:
             raise SystemExit(f"{rev} has neither verispec/csrc/{source} nor verispec/fast/{module}")
-        mod = types.ModuleType(f"{op}_at_rev")
-        exec(compile(old.stdout, f"verispec/fast/{module}@{rev}", "exec"), mod.__dict__)  # noqa: S102 - the project's own source
-        text = mod._SOURCE
+        # the string's value read without running that module (it imports the ops.py of today)
+        text = next(node.value.value for node in ast.parse(old.stdout).body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", None) == "_SOURCE")
     text = (text.replace("TORCH_LIBRARY(verispec,", "TORCH_LIBRARY_FRAGMENT(verispec,")
             .replace(f'm.def("{op}(', f'm.def("{op}_at_rev(').replace(f'm.impl("{op}"', f'm.impl("{op}_at_rev"'))
     path = Path(tempfile.mkdtemp()) / f"{op}_at_{rev[:12]}.cpp"
