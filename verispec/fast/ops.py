@@ -53,7 +53,7 @@ class Flags(NamedTuple):
 class Kernel:
     """One C++ file of verispec/csrc and how it is built."""
 
-    source: str                 # its file name in verispec/csrc
+    source: str                 # its file name in verispec/csrc (a path elsewhere: an A/B of another revision)
     cflags: tuple[str, ...]     # the compiler flags beyond torch's (optimisation level, -march, ...)
     tag: str = ""               # what this build is for (a CPU level, an ATen capability): part of its name
     openmp: bool = True         # an OpenMP build (the operators: at::parallel_for runs on torch's threads)
