@@ -7,7 +7,17 @@ acceptance rates, quality or anything that needs a trained model.
 
 Shapes (SHAPES): the published config.json of a real model per size, cited on each entry; "tiny" is ours,
 for tests. Between them: head dims 64 and 128, GQA ratios 3-8 (tiny: 2), tied and untied embeddings, and
-Qwen2's q/k/v biases.
+Qwen2's q/k/v biases. Parameters here (49152 vocabulary) and as published:
+
+    arch  size  shape of       hidden layers q/kv heads head dim  ffn    embeddings  params  published
+    llama 0.5b  SmolLM2-360M    960    32     15/5      64       2560   tied        0.36B   0.36B
+    llama 1b    Llama-3.2-1B    2048   16     32/8      64       8192   tied        1.07B   1.24B
+    llama 3b    Llama-3.2-3B    3072   28     24/8      128      8192   tied        2.97B   3.21B
+    llama 8b    Llama-3.1-8B    4096   32     32/8      128      14336  untied      7.38B   8.03B
+    qwen2 0.5b  Qwen2.5-0.5B    896    24     14/2      64       4864   tied        0.40B   0.49B
+    qwen2 1b    Qwen2.5-1.5B    1536   28     12/2      128      8960   tied        1.39B   1.54B
+    qwen2 3b    Qwen2.5-3B      2048   36     16/2      128      11008  tied        2.88B   3.09B
+    qwen2 8b    Qwen2.5-7B      3584   28     28/4      128      18944  untied      6.88B   7.62B
 
 Tokenizer: the tokenizer keys (tokenizer.ggml.*, and the chat template) of the embedded SmolLM2-135M GGUF
 (models/registry.py), so the vocabulary is SmolLM2's 49152 tokens whatever the arch: Llama 3 has 128256 and
