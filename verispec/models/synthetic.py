@@ -91,6 +91,7 @@ class Shape:
         return self.arch == "qwen2"
 
     def params(self, vocab: int) -> int:
+        """Parameters at a vocabulary of `vocab`: embedding (and LM head where untied), layers, final norm."""
         kv = self.kv_heads * self.head_dim
         attn = self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden + (self.hidden + 2 * kv if self.qkv_bias else 0)
         layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
@@ -111,11 +112,12 @@ SHAPES: dict[tuple[str, str], Shape] = {
     ("qwen2", "0.5b"): Shape("qwen2", _HF.format("Qwen/Qwen2.5-0.5B"), 896, 24, 14, 2, 4864, True, 1000000.0, 1e-6, 32768),
     ("qwen2", "1b"): Shape("qwen2", _HF.format("Qwen/Qwen2.5-1.5B"), 1536, 28, 12, 2, 8960, True, 1000000.0, 1e-6, 32768),
     ("qwen2", "3b"): Shape("qwen2", _HF.format("Qwen/Qwen2.5-3B"), 2048, 36, 16, 2, 11008, True, 1000000.0, 1e-6, 32768),
-    ("qwen2", "8b"): Shape("qwen2", _HF.format("Qwen/Qwen2.5-7B"), 3584, 28, 28, 4, 18944, False, 1000000.0, 1e-6, 32768),
+    ("qwen2", "8b"): Shape("qwen2", _HF.format("Qwen/Qwen2.5-7B"), 3584, 28, 28, 4, 18944, False, 1000000.0, 1e-6, 131072),
 }
 
 
 def _types():
+    """gguf's GGMLQuantizationType, imported where used (as models/gguf_weights.py does)."""
     from gguf import GGMLQuantizationType as T
 
     return T
