@@ -91,14 +91,12 @@ def test_bad_input_is_one_typed_error(tmp_path, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
-# tiny files of each arch in each quant type; between them head dims 64 and 128, GQA 2 and 4, tied and
+# tiny files covering every quant type and both archs; between them head dims 64 and 128, GQA 2 and 4, tied and
 # untied embeddings, and Qwen2's biases in both (SHAPES' tiny ones: llama tied / head dim 64, qwen2
 # untied / head dim 128)
 CASES = {
-    "llama-q4_0": ("llama", "q4_0", {}),
+    "llama-q4_0": ("llama", "q4_0", {"kv_heads": 1}),  # GQA 4
     "llama-q4_k_m": ("llama", "q4_k_m", {"tied": False, "heads": 2, "kv_heads": 1}),  # untied, head dim 128
-    "llama-q8_0": ("llama", "q8_0", {"kv_heads": 1}),  # GQA 4
-    "qwen2-q4_0": ("qwen2", "q4_0", {}),
     "qwen2-q4_k_m": ("qwen2", "q4_k_m", {"tied": True, "heads": 4, "kv_heads": 2}),  # tied, head dim 64
     "qwen2-q8_0": ("qwen2", "q8_0", {}),
 }
@@ -175,15 +173,14 @@ def test_fast_path_logits_equal_transformers(written, exact, native):
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("written", [name for name in CASES if name.endswith("q4_k_m")], indirect=True)
 def test_the_files_4_bit_blocks_are_what_transformers_dequantized(written):
     """models/gguf_weights.py takes a projection's Q4_0 / Q4_K blocks only where they dequantize bit for bit
     to the loader's float32 weight (q and k in Llama's permuted row order): so the hand-written Q4_K
     blocks are read as transformers reads them. Q6_K / Q8_0 tensors come back as the float32 weight."""
     from verispec.fast import quant
 
-    shape, q, _, target = written
-    if q != "q4_k_m":
-        pytest.skip("Q4_0 blocks come from gguf.quants (test_quant.py reads them); this checks the hand-written Q4_K")
+    shape, q, _, target = written  # the Q4_K_M files: Q4_0 blocks come from gguf.quants (test_quant.py reads them)
     types = {n: t.name for n, _, t in plan(shape, q, VOCAB)}
     source = target.weight_source
     names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
