@@ -82,17 +82,17 @@ def _params(temperature=0.0, top_k=0, top_p=1.0, seed=None, max_new_tokens=128, 
 
 def stream(target, prompt: str | None = None, *, chat=None, settings: SpeculationSettings | None = None,
            **kwargs: Any) -> Iterator[StepEvent]:
-    """Like generate(), but yields a StepEvent per verification step as tokens are accepted."""
+    """Like generate(), but yields a StepEvent per verification step as tokens are accepted. The options,
+    the model and the prompt are checked as it is called, before the first step is asked for."""
     from verispec.models import load_model
 
     sampling, options = _split(kwargs)
-    settings = settings_of(settings, **options)  # bad options fail here, before a model loads
+    settings = settings_of(settings, **options)
     if isinstance(target, str):
         target = load_model(target)
     params = _params(**sampling)
     engine = build_engine(target, settings=settings)
-    ids = target.encode(prompt=prompt, chat=chat)
-    yield from engine.stream(ids, params)
+    return engine.stream(target.encode(prompt=prompt, chat=chat), params)
 
 
 def generate(target, prompt: str | None = None, *, chat=None, settings: SpeculationSettings | None = None,

@@ -31,6 +31,7 @@ dynamic trees) are judged where the engine is built.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
@@ -204,8 +205,10 @@ class SpeculationSettings(BaseModel):
         return _known_method(v)
 
     @classmethod
+    @functools.cache
     def options(cls) -> dict[str, tuple[str | None, str]]:
-        """flat name -> (section or None, field) for every option, in declaration order."""
+        """flat name -> (section or None, field) for every option, in declaration order (one dict per
+        class, shared: do not change it)."""
         out: dict[str, tuple[str | None, str]] = {}
         for name, field in cls.model_fields.items():
             if name in cls.SECTIONS:
@@ -323,7 +326,3 @@ def error_line(exc: ValidationError, label=None) -> tuple[str, str]:
     msg = f"{msg[0].lower()}{msg[1:]}{got}"
     return name, f"{shown_name}: {msg}" if name else msg
 
-
-def check_speculation(label=None, **options: Any) -> SpeculationSettings:
-    """SpeculationSettings.of: kept for callers of the earlier name."""
-    return SpeculationSettings.of(label=label, **options)
