@@ -35,8 +35,7 @@ import functools
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model,
-                      field_validator)
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model, field_validator
 
 from verispec.drafters import METHODS
 from verispec.errors import InvalidParameter

@@ -19,7 +19,7 @@ from verispec.api import build_engine
 from verispec.batch import cost_envelope
 from verispec.drafters import METHODS
 from verispec.errors import VerispecError
-from verispec.options import LOCAL_OPTIONS, WIRE_OPTIONS, SpeculationSettings
+from verispec.options import LOCAL_OPTIONS, WIRE_OPTIONS
 from verispec.server.errors import APIError, verispec_error
 from verispec.server.metrics import ServerMetrics
 from verispec.server.scheduler import Job, QueueFull, Scheduler
