@@ -12,7 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from verispec.commands import fail, friendly
+from verispec.errors import InvalidParameter
 from verispec.models.registry import WEIGHTS_HELP
+from verispec.options import SpeculationSettings
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -120,7 +122,7 @@ def bench(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Target model."),
     method: list[str] = typer.Option(["ar", "ngram"], "--method", help="Method, repeatable; options after a colon: 'ngram:draft_length=4,ngram_max=3,label=pld4'. Plain decoding (ar) always runs."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --method draft and the hf-assisted baseline."),
-    draft_length: int = typer.Option(5, "--draft-length", "-k", help="Default draft length (also prompt_lookup_num_tokens for hf-pld)."),
+    draft_length: int = typer.Option(SpeculationSettings().draft_length, "--draft-length", "-k", help="Default draft length (also prompt_lookup_num_tokens for hf-pld)."),
     baselines: str = typer.Option("auto", "--baselines", help="Comma list of hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, openai:URL[,model=M,label=L] (any OpenAI-compatible server, same questions); 'auto' = all local ones that can run, 'none'."),
     prompts: str = typer.Option("spec_bench", "--prompts", "-p", help="spec_bench, mt_bench, gsm8k, humaneval or a JSONL file with 'turns'."),
     per_category: int = typer.Option(4, "--per-category", "-n", help="Questions per category (0 = all)."),
@@ -153,6 +155,11 @@ def bench(
     if per_category < 0:
         fail(f"--per-category must be >= 0, got {per_category}")
     specs = [parse_method(m, draft_length) for m in method]
+    for spec in specs:  # each contender's options are settings (verispec.options), checked before a model loads
+        try:
+            SpeculationSettings.of(method=spec.method, draft_length=spec.draft_length, **spec.options)
+        except InvalidParameter as exc:
+            fail(f"--method {spec.label}: {exc}")
     if any(s.method == "draft" for s in specs) and draft is None:
         fail("--method draft needs --draft MODEL")
     if baselines == "auto":

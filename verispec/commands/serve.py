@@ -8,19 +8,15 @@ from typing import Optional
 import typer
 
 from verispec.commands import err, fail, friendly
+from verispec.commands.speculation import speculation_flags
 from verispec.models.registry import WEIGHTS_HELP
-from verispec.options import method_help
+from verispec.options import SpeculationSettings
 
 
 @friendly
+@speculation_flags
 def serve(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Embedded default, model directory, .gguf file or hub id."),
-    method: str = typer.Option("ar", "--method", help=f"Default method: {method_help()}; requests may override it."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for method 'draft' (loaded once)."),
-    draft_length: int = typer.Option(5, "--draft-length", "-k", help="Default tokens drafted per step."),
-    adaptive: bool = typer.Option(False, "--adaptive", help="Adapt the draft length by default."),
-    ngram_max: int = typer.Option(3, "--ngram-max", help="Longest suffix the n-gram drafter matches."),
-    head: Optional[str] = typer.Option(None, "--head", help="Trained head folder for methods eagle/medusa/dflash (default: the shipped one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; the default is reachable from this machine only."),
     port: int = typer.Option(8000, "--port", "-p"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY",
@@ -51,19 +47,20 @@ def serve(
                                                 "Default: localhost, 127.0.0.1, ::1 and --host, so a web page cannot "
                                                 "reach the server through DNS rebinding."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    settings: SpeculationSettings = None,
 ):
-    """Serve a model over an OpenAI-compatible HTTP API, with a live page at / showing the drafts."""
+    """Serve a model over an OpenAI-compatible HTTP API, with a live page at / showing the drafts. The
+    speculation flags are the server's defaults; a request's "verispec" object overrides them."""
     import uvicorn
 
-    from verispec.drafters import METHODS
     from verispec.models import load_model
+    from verispec.options import ModelSettings
     from verispec.server import ServerConfig, create_app
 
-    if method not in METHODS:
-        fail(f"unknown method '{method}'; use one of {', '.join(METHODS)}")
-    if method == "draft" and draft is None:
+    draft = settings.models.draft
+    if settings.method == "draft" and draft is None:
         fail("--method draft needs --draft MODEL")
-    for label, value, low in (("--draft-length", draft_length, 1), ("--max-tokens", max_tokens, 1),
+    for label, value, low in (("--max-tokens", max_tokens, 1),
                               ("--default-max-tokens", default_max_tokens, 1), ("--max-body-bytes", max_body_bytes, 1),
                               ("--max-queue", max_queue, 0), ("--workers", workers, 1), ("--port", port, 0),
                               ("--max-batch", max_batch, 1),
@@ -96,13 +93,13 @@ def serve(
         torch.set_num_threads(threads)
     target = load_model(model, dtype=dtype, device=device, weights=weights)
     draft_model = load_model(draft, dtype=dtype, device=device) if draft is not None else None
-    config = ServerConfig(method=method, draft_length=draft_length, adaptive=adaptive,
-                          engine_options={"ngram_max": ngram_max, **({"head": head} if head else {})},
-                          default_max_tokens=default_max_tokens,
+    # the draft model is loaded once here and handed to the app; the settings keep the rest
+    defaults = settings.model_copy(update={"models": ModelSettings(head=settings.models.head)})
+    config = ServerConfig(settings=defaults, default_max_tokens=default_max_tokens,
                           max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
                           max_queue=max_queue, timeout=timeout, api_key=api_key, workers=workers, allowed_hosts=hosts,
                           max_batch=max_batch, batch_positions=None if positions == "none" else positions)
     server_app = create_app(target, config, draft=draft_model)
-    err.print(f"serving {target.name} ({method}) on http://{host}:{port}/  (OpenAI API under /v1, metrics at /metrics)")
+    err.print(f"serving {target.name} ({settings.method}) on http://{host}:{port}/  (OpenAI API under /v1, metrics at /metrics)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     uvicorn.run(server_app, host=host, port=port, log_level=log_level)

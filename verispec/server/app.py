@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from verispec.errors import InvalidParameter
+from verispec.options import SpeculationSettings
 from verispec.server import errors, generate, info
 from verispec.server.guard import Guard
 from verispec.server.info import STATIC
@@ -46,10 +47,14 @@ class ServerConfig:
     """Defaults and limits of a server. Limits are what a request may ask for at most."""
 
     model_name: str | None = None          # the id clients send as "model" (default: the model's name)
-    method: str = "ar"                     # default speculation method
-    draft_length: int = 5
-    adaptive: bool = False
-    engine_options: dict[str, Any] = field(default_factory=dict)  # more build_engine defaults
+    # the default speculation settings (verispec.options), each request's "verispec" object overrides them;
+    # the draft model is create_app's `draft`, so settings.models.draft stays None
+    settings: SpeculationSettings = field(default_factory=SpeculationSettings)
+    # shorthands folded into `settings` as the config is made (None: the settings' value); they read back
+    # the settings' values after
+    method: str | None = None
+    draft_length: int | None = None
+    adaptive: bool | None = None
     default_max_tokens: int = 256
     max_tokens: int = 2048
     # a prompt's prefill holds a worker for seconds on a CPU (docs/performance-notes.md), so the default
@@ -72,6 +77,10 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
 
     def __post_init__(self):
+        self.settings = self.settings.replace(method=self.method, draft_length=self.draft_length,
+                                              adaptive=self.adaptive)
+        self.method, self.draft_length, self.adaptive = (self.settings.method, self.settings.draft_length,
+                                                         self.settings.adaptive)
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise InvalidParameter(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         p = self.batch_positions
@@ -84,7 +93,8 @@ def create_app(target, config: ServerConfig | None = None, draft=None,
     """An app serving `target` (a verispec LoadedModel).
 
     draft: a LoadedModel for method "draft" (loaded once by the caller).
-    engine_factory(target, **options) -> Engine: defaults to verispec.api.build_engine; tests wrap it.
+    engine_factory(target, draft=..., runner=..., **options) -> Engine, options by the flat names of
+    verispec.options.SpeculationSettings: defaults to verispec.api.build_engine; tests wrap it.
     """
     config = config or ServerConfig()
     served = Served(target, config, draft, engine_factory)

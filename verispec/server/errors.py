@@ -65,10 +65,10 @@ def _first_problem(errors: list[dict]) -> dict:
     if telling:
         return telling[0]
     if len(same) > 1:  # no branch of a union took the value: say what the field takes
-        from verispec.options import SpeculationSettings
+        from verispec.options import SpeculationChoices
 
         loc = [p for p in first.get("loc", ()) if isinstance(p, str) and p.isidentifier()]
-        spec = SpeculationSettings.model_fields.get(loc[-1]) if loc and loc[0] == "body" and len(loc) > 2 else None
+        spec = SpeculationChoices.model_fields.get(loc[-1]) if loc and loc[0] == "body" and len(loc) > 2 else None
         what = f"expected {spec.description}" if spec is not None and spec.description else "see /openapi.json"
         return {**first, "msg": f"wrong type ({what})"}
     return first

@@ -177,7 +177,7 @@ async def race(body: RaceRequest, request: Request, s: Served = Depends(served))
         raise APIError(400, "give either 'messages' or 'prompt'", param="messages", code="invalid_value")
     params = s.sampling(0.0 if body.temperature is None else body.temperature, body.top_p, None, body.seed,
                         body.max_tokens, ())
-    method = s.config.method
+    method = s.config.settings.method
     lanes = body.lanes or [SpeculationOptions(method="ar"),
                            SpeculationOptions(method=method if method != "ar" else "ngram")]
     lane_options = [s.engine_options(lane, f"lanes.{i}") for i, lane in enumerate(lanes)]

@@ -40,8 +40,7 @@ async def prometheus(s: Served = Depends(served)):
 async def info(s: Served = Depends(served)):
     config, draft = s.config, s.draft
     return {"model": s.name, "methods": s.methods, "draft_model": draft.name if draft is not None else None,
-            "defaults": {"method": config.method, "draft_length": config.draft_length, "adaptive": config.adaptive,
-                         "max_tokens": config.default_max_tokens, **config.engine_options},
+            "defaults": {**config.settings.flat(wire=True), "max_tokens": config.default_max_tokens},
             "limits": {"max_tokens": config.max_tokens, "max_prompt_tokens": s.max_prompt,
                        "max_body_bytes": config.max_body_bytes, "max_queue": config.max_queue,
                        "timeout": config.timeout, "max_batch": config.max_batch},

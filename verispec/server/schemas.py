@@ -5,8 +5,8 @@ OpenAI documents it, top_p in (0, 1], n >= 1); limits that do (max_tokens, promp
 in the app. Unknown top-level fields are ignored, as OpenAI-compatible servers usually do, except
 those that would silently change the output (logprobs, penalties, tools, ...): those are refused.
 Speculation settings travel in the extension object "verispec" (openai client: extra_body=), whose
-fields, types and ranges are verispec.options.SpeculationSettings, the schema the CLI and the Python
-API check with too.
+fields, types and ranges are verispec.options.SpeculationChoices: SpeculationSettings' options by flat
+name (suffix_alpha, tree_budget, ...), the object the CLI and the Python API build too.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from verispec.options import SpeculationSettings
+from verispec.options import SpeculationChoices
 
 
-class SpeculationOptions(SpeculationSettings):
-    """The "verispec" extension object of a request: the shared speculation settings, plus a timeout
+class SpeculationOptions(SpeculationChoices):
+    """The "verispec" extension object of a request: the shared speculation options, plus a timeout
     that can only shorten the server's per-request timeout.
 
     Other fields are kept (extra="allow") only so that the app can answer them precisely: a server
@@ -31,6 +31,7 @@ class SpeculationOptions(SpeculationSettings):
     timeout: float | None = Field(None, gt=0, description="seconds; can only shorten the server's limit")
 
     def engine_options(self) -> dict[str, Any]:
+        """The options the request set, by flat name (the unknown and reserved ones too: the app refuses them)."""
         opts = {k: v for k, v in self.model_dump(exclude={"timeout"}).items() if v is not None}
         opts.update({k: v for k, v in (self.model_extra or {}).items()})
         return opts

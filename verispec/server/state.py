@@ -8,7 +8,6 @@ settings, the prompt's ids) and wait for the job's reports with the queue's dead
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import time
 from typing import Any, Callable
@@ -20,7 +19,7 @@ from verispec.api import build_engine
 from verispec.batch import cost_envelope
 from verispec.drafters import METHODS
 from verispec.errors import VerispecError
-from verispec.options import SpeculationSettings
+from verispec.options import LOCAL_OPTIONS, WIRE_OPTIONS
 from verispec.server.errors import APIError, verispec_error
 from verispec.server.metrics import ServerMetrics
 from verispec.server.scheduler import Job, QueueFull, Scheduler
@@ -29,27 +28,14 @@ from verispec.server.work import BatchedGeneration, RunnerPool
 from verispec.tree import measure_verify_cost
 from verispec.types import SamplingParams
 
-# build_engine keywords a request may not set: the target is the served model; the draft model and a
-# drafter head are whatever the server was started with (a request naming a path would make the server
-# load files of the client's choosing); runners are pooled by the server; compiling takes minutes; the
-# verification cost curve is measured by the server
-_RESERVED = {"target", "draft", "head", "runner", "compile", "verify_cost"}
+# options a request may not set: the target is the served model; runners are pooled by the server; the
+# rest are verispec.options.LOCAL_OPTIONS (the draft model and a drafter head are whatever the server was
+# started with, compiling takes minutes, the weights are the served model's, the cost curve is measured here)
+_RESERVED = {"target", "runner", *LOCAL_OPTIONS}
 
 
 class ClientGone(Exception):
     pass
-
-
-def _engine_keywords(factory) -> set[str]:
-    return {name for name, p in inspect.signature(factory).parameters.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - _RESERVED
-
-
-def _signature_source(factory):
-    """Which callable's keywords a custom engine factory accepts: a factory taking **options is
-    taken to accept build_engine's."""
-    params = inspect.signature(factory).parameters.values()
-    return build_engine if any(p.kind == p.VAR_KEYWORD for p in params) else factory
 
 
 def served(request: Request) -> "Served":
@@ -64,9 +50,8 @@ class Served:
         self.target, self.config, self.draft = target, config, draft
         self.name = config.model_name or target.name
         self.max_prompt = min(config.max_prompt_tokens or target.context_length - 1, target.context_length - 1)
-        # the options a request may set: the shared schema's (verispec.options), where the factory takes them
-        self.allowed = set(SpeculationSettings.model_fields) & _engine_keywords(
-            build_engine if engine_factory is None else _signature_source(engine_factory))
+        # the options a request may set: the request form's (verispec.options.SpeculationChoices)
+        self.allowed = set(WIRE_OPTIONS) - _RESERVED
         self.metrics = ServerMetrics()
         # a batch holds one runner per sequence: keep that many idle, so a steady load reuses them
         self.pool = RunnerPool(engine_factory or build_engine,
@@ -108,11 +93,11 @@ class Served:
             raise verispec_error(exc, word if word in ("temperature", "top_p", "top_k", "seed") else None) from exc
 
     def engine_options(self, opts: SpeculationOptions | None, param: str = "verispec") -> dict:
-        """The server's defaults overridden by the request's extension object, checked by name here;
-        values are checked when the engine is built (in the worker, see build)."""
+        """The engine factory's options by flat name: the server's settings overridden by the request's
+        extension object, checked as one SpeculationSettings here (relations between options, such as
+        ngram_min <= ngram_max, are judged when the engine is built, in the worker: see build)."""
         config, draft, methods = self.config, self.draft, self.methods
-        options = {"method": config.method, "draft_length": config.draft_length, "adaptive": config.adaptive,
-                   **config.engine_options}
+        requested = {}
         if opts is not None:
             requested = opts.engine_options()
             if "draft" in requested and (draft is None or requested["draft"] != draft.name):
@@ -128,15 +113,16 @@ class Served:
                     raise APIError(400, f"unknown speculation option '{key[:60]}'; use one of: "
                                         f"{', '.join(sorted(self.allowed))}", param=f"{param}.{key[:60]}",
                                    code="invalid_value")
-            options.update(requested)
-        method = options.get("method")
-        if method not in METHODS:
-            raise APIError(400, f"unknown method '{method}'; use one of: {', '.join(methods)}",
-                           param=f"{param}.method", code="invalid_value")
-        if method == "draft" and draft is None:
+        try:
+            settings = config.settings.replace(**requested)
+        except VerispecError as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+        if settings.method == "draft" and draft is None:
             raise APIError(400, "this server has no draft model, so method 'draft' is unavailable; start it with "
                                 f"--draft MODEL or use one of: {', '.join(methods)}", param=f"{param}.method",
                            code="invalid_value")
+        options = settings.flat()
+        del options["draft"]  # the pool hands the factory the server's draft model
         return options
 
     def build(self, options: dict, param: str = "verispec"):

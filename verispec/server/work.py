@@ -10,15 +10,16 @@ it was produced; the OpenAI text delta alone cannot say which characters came fr
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from typing import Any, Callable
 
+from verispec.options import BackendSettings, SpeculationSettings
 from verispec.server.scheduler import Job, Member
 
-# build_engine options that decide what a runner is; engines agreeing on them can share one
-RUNNER_OPTIONS = ("backend", "exact", "compile")
+# the options that decide what a runner is (verispec.options.BackendSettings); engines agreeing on them can
+# share one
+RUNNER_OPTIONS = tuple(f.alias for f in BackendSettings.model_fields.values())
 
 
 class RunnerPool:
@@ -38,11 +39,7 @@ class RunnerPool:
         self._verify_cost: dict[tuple, dict] = {}
         self._lock = threading.Lock()
         self.built = 0   # runners built (engines that did not get a pooled runner)
-        try:
-            sig = inspect.signature(factory).parameters
-            self._defaults = {k: p.default for k, p in sig.items() if p.default is not inspect.Parameter.empty}
-        except (TypeError, ValueError):
-            self._defaults = {}
+        self._defaults = SpeculationSettings().flat()
 
     def key(self, options: dict) -> tuple:
         return tuple((k, repr(options.get(k, self._defaults.get(k)))) for k in RUNNER_OPTIONS)
@@ -58,7 +55,7 @@ class RunnerPool:
                     break
             cost = self._verify_cost.get(key)
         opts = dict(options)
-        if cost is not None and "verify_cost" not in opts:
+        if cost is not None and opts.get("verify_cost") is None:
             opts["verify_cost"] = cost
         engine = self.factory(target, draft=draft, runner=runner, **opts)
         if runner is None:
