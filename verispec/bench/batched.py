@@ -355,9 +355,9 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
         resolved[AUTO] = free_positions(cost)
     for c in contenders:  # a dynamic tree sizes itself from the cost curve: measured once here, not per engine in a timed run
         for e in c.engines:
-            if isinstance(e.tree, DynamicTree) and e.tree.budget is None and e.verify_cost is None:
+            if isinstance(e.tree, DynamicTree) and e.tree.budget is None and e.budget.verify_cost is None:
                 cost = cost or measure_verify_cost(contenders[0].engines[0].runner)
-                e.verify_cost = cost
+                e.budget.verify_cost = cost
     for st in settings:
         if isinstance(st, int):
             resolved[st] = st
