@@ -162,6 +162,11 @@ class Engine:
         """The cost curve the auto budget prices forwards with (positions -> seconds; None: not measured)."""
         return self.budget.verify_cost
 
+    def forget(self) -> None:
+        """Drop what the drafter keeps across generations (Drafter.forget; plain decoding keeps nothing)."""
+        if self.drafter is not None:
+            self.drafter.forget()
+
     def prefill(self, ids: list[int], should_stop: Callable[[], bool] | None = None):
         """Feed `ids` into the target's cache -> (stopped, the features of every position or None).
 

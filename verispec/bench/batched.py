@@ -371,9 +371,7 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
                            min(top, len(warm)), fixed(c.setting), min(max_new_tokens, 8), cost=priced(c.setting))
     for c in contenders:  # the warm-up answered measured questions: no drafter may remember them
         for e in c.engines:
-            forget = getattr(e.drafter, "forget", None)
-            if callable(forget):
-                forget()
+            e.forget()
 
     from tqdm.auto import tqdm
 
@@ -406,7 +404,7 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
         "schema": SCHEMA,
         "config": {
             "model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
-            "weights": target_format(target), "draft": getattr(draft, "name", None), "prompt_set": prompt_set,
+            "weights": target_format(target), "draft": draft.name if draft is not None else None, "prompt_set": prompt_set,
             "prompt_mode": "chat" if chat else "raw", "max_new_tokens": max_new_tokens, "draft_length": draft_length,
             "warmup": warmup, "greedy": True, "batch_sizes": sizes, "admission": "continuous",
             "positions": [AUTO if s == AUTO else s for s in settings], "positions_resolved": resolved.get(AUTO),

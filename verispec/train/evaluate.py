@@ -87,7 +87,7 @@ def teacher_forced(target, kind: str, module, sequences: list[tuple[list[int], l
 def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], list[int]]], steps: int = 6) -> list[list[int]]:
     """sequences: (prompt ids, the target's greedy continuation) -> per draft step [agreements, anchors]:
     step j at anchor t is right when the head's argmax is the continuation's token at t + j + 1."""
-    depth = {"eagle": steps, "medusa": getattr(module, "num_heads", 0), "dflash": getattr(module, "block_size", 1) - 1}[kind]
+    depth = steps if kind == "eagle" else module.num_heads if kind == "medusa" else module.block_size - 1
     counts = [[0, 0] for _ in range(depth)]
     for tok, _, anchors, logits in teacher_forced(target, kind, module, sequences, steps):
         n = tok.numel()
