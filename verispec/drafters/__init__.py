@@ -75,9 +75,9 @@ def _medusa(target, head=None, **_):
 
 def _dflash(target, head=None, **_):
     """block drafter"""
-    from verispec.drafters.dflash import BlockDrafter
+    from verispec.drafters.dflash import DFlashDrafter
 
-    return BlockDrafter.for_target(target, head)  # head: a trained drafter folder; None = the shipped one
+    return DFlashDrafter.for_target(target, head)  # head: a trained drafter folder; None = the shipped one
 
 
 def _with_suffix(model: Callable) -> Callable:

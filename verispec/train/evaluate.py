@@ -120,8 +120,8 @@ def eval_sets(target, heldout_records: list[dict] | None, per_task: int, bench_p
 def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], max_new_tokens: int = 64,
                   draft_length: int = 5, tree_budget: int = 16, steps: int = 6, log=print) -> dict:
     """The head's figures per task and over all tasks (see the module docstring). `module` is a trained
-    EagleHead, MedusaHeads or BlockDrafterModel on the target's device; it is used as the drafter uses it."""
-    from verispec.drafters.dflash import BlockDrafter
+    EagleHead, MedusaHeads or DFlashModel on the target's device; it is used as the drafter uses it."""
+    from verispec.drafters.dflash import DFlashDrafter
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
     from verispec.tree import DynamicTree, StaticTree
@@ -132,7 +132,7 @@ def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], m
         tree = DynamicTree(budget=tree_budget, depth=steps)
     elif kind == "dflash":
         module.attach_embedding(target.model.get_input_embeddings().weight)
-        make = lambda: BlockDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
+        make = lambda: DFlashDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
         tree = DynamicTree(budget=tree_budget, depth=module.block_size - 1)
     else:
         make = lambda: MedusaDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
