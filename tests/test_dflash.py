@@ -1,4 +1,4 @@
-"""The DFlash drafter (DFlash-style, drafters/dflash.py) on tiny models: greedy output equals plain
+"""The DFlash drafter (drafters/dflash.py) on tiny models: greedy output equals plain
 decoding (chains and trees, float32 and bfloat16 exact mode, both backends; random drafters, so
 exactness cannot lean on drafter quality), the sampled output keeps the target's distribution with the
 drafter's q, the training forward equals the drafter at inference over the whole prefix, the training
