@@ -48,9 +48,9 @@ def main() -> None:
             g = engine.generate(target.encode(chat=q.turns[0]), SamplingParams(max_new_tokens=a.tokens))
             tokens, steps = tokens + len(g.token_ids), steps + g.stats.steps
         ms = {str(n): round(s * 1e3, 3) for n, s in engine.verify_cost.items()}
-        fig = {"curve_ms": ms, "beyond_forward_ms": {str(b): round(s * 1e3, 3) for b, s in sorted(engine.step_costs.means.items())},
+        fig = {"curve_ms": ms, "beyond_forward_ms": {str(b): round(s * 1e3, 3) for b, s in sorted(engine.budget.step_costs.means.items())},
                "chosen": {str(b): n for b, n in sorted(chosen.items())},
-               "rank_acceptance": [round(x, 3) for x in engine.rank_acceptance.profile()],
+               "rank_acceptance": [round(x, 3) for x in engine.budget.rank_acceptance.profile()],
                "tokens_per_step": round(tokens / steps, 3)}
         out["methods"][method] = fig
         print(method, json.dumps(fig))

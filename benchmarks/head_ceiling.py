@@ -66,7 +66,7 @@ def main() -> None:
                          "the scoring pass (features, logits) runs the dense weights, as training's does")
     a = parse(ap)
     from verispec.bench.environment import environment
-    from verispec.drafters.dflash import load_block_drafter
+    from verispec.drafters.dflash import load_dflash_model
     from verispec.drafters.eagle import load_eagle_head
     from verispec.drafters.medusa import load_medusa_heads
     from verispec.engine import Engine
@@ -76,7 +76,7 @@ def main() -> None:
     from verispec.types import SamplingParams
 
     target = load_model(a.target, dtype=a.dtype, weights=a.weights)
-    module = {"eagle": load_eagle_head, "medusa": load_medusa_heads, "dflash": load_block_drafter}[a.kind](target, a.head)
+    module = {"eagle": load_eagle_head, "medusa": load_medusa_heads, "dflash": load_dflash_model}[a.kind](target, a.head)
     sets: dict[str, list[tuple[list[int], list[int]]]] = {}
     if a.work:
         train, held = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))

@@ -8,10 +8,10 @@ and the shipped Medusa heads, after a context of --context tokens:
   * one whole EAGLE proposal: a chain of 5, and a dynamic tree (budget 16, top-k 4, depth 6)
   * the same three for every other EAGLE head named by --eagle-head (a trained candidate, a deeper one)
   * one Medusa proposal (a chain of 4 and the static medium tree)
-  * with --python-steps, the same EAGLE, Medusa and block-drafter items the way they ran before their native
+  * with --python-steps, the same EAGLE, Medusa and DFlash-drafter items the way they ran before their native
     steps and Medusa's packed copies: the head layers' operations issued from Python, Medusa from its float32
     parameters (suffix "[python]")
-  * one block-drafter (dflash) proposal: the block forward alone, and with the context entries of 3
+  * one DFlash-drafter (dflash) proposal: the block forward alone, and with the context entries of 3
     newly accepted positions first (what a step does), for --dflash-layers x --dflash-blocks drafters
     (the shipped one when there is one, else random weights: the cost does not depend on them)
 Every figure is the median over --rounds rounds that measure every item once (the machine is shared).
@@ -127,15 +127,15 @@ def main() -> None:
         plain.observe_features(feats[:-1, cols["medusa"]])
         items["medusa_chain_4[python]"] = lambda: plain.propose(ctx, 4)
         items["medusa_static_medium[python]"] = lambda: plain.propose_tree(ctx, StaticTree.named("medium"))
-    from verispec.drafters.dflash import BlockDrafter, BlockDrafterModel
+    from verispec.drafters.dflash import DFlashDrafter, DFlashModel
     from verispec.heads import shipped_head
 
     shipped = shipped_head(target.name, "dflash")
     for layers in a.dflash_layers:
         for block in a.dflash_blocks:
-            model = BlockDrafterModel(BlockDrafterModel.make_config(target, eagle.d2t.numel(), block, layers, eagle.feature_layers))
+            model = DFlashModel(DFlashModel.make_config(target, eagle.d2t.numel(), block, layers, eagle.feature_layers))
             model.attach_embedding(target.model.get_input_embeddings().weight)
-            d = BlockDrafter(model.to(target.device).eval(), target.vocab_size, weights_dtype=target.dtype,
+            d = DFlashDrafter(model.to(target.device).eval(), target.vocab_size, weights_dtype=target.dtype,
                              quantized=fmt != "bf16")
             d.begin(ctx, params, None)
             d.observe_features(feats[:-1, cols["eagle"]])
@@ -149,13 +149,13 @@ def main() -> None:
             items[f"dflash_{layers}L_b{block}_block"] = lambda d=d, block=block: d.propose(ctx, block - 1)
             items[f"dflash_{layers}L_b{block}_step"] = sync_and_block
     if shipped is not None:
-        d = BlockDrafter.for_target(target)
+        d = DFlashDrafter.for_target(target)
         d.begin(ctx, params, None)
         d.observe_features(feats[:-1, cols["eagle"]])
         items["dflash_shipped_block"] = lambda: d.propose(ctx, d.positions)
         items["dflash_shipped_dynamic_tree_16"] = lambda: d.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=d.positions))
         if a.python_steps:
-            slow_d = BlockDrafter.for_target(target)
+            slow_d = DFlashDrafter.for_target(target)
             slow_d._native = (False,)
             slow_d.begin(ctx, params, None)
             slow_d.observe_features(feats[:-1, cols["eagle"]])

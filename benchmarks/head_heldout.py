@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--weights", default="auto", help="the target's weights: auto, bf16, q8 or q4")
     a = parse(ap)
-    from verispec.drafters.dflash import load_block_drafter
+    from verispec.drafters.dflash import load_dflash_model
     from verispec.drafters.eagle import load_eagle_head
     from verispec.drafters.medusa import load_medusa_heads
     from verispec.bench.environment import environment
@@ -36,11 +36,11 @@ def main() -> None:
     from verispec.train.evaluate import eval_sets, evaluate_head
 
     target = load_model(a.target, dtype=a.dtype, weights=a.weights)
-    load = {"eagle": load_eagle_head, "medusa": load_medusa_heads, "dflash": load_block_drafter}[a.kind]
+    load = {"eagle": load_eagle_head, "medusa": load_medusa_heads, "dflash": load_dflash_model}[a.kind]
     module = load(target, a.head)
     heldout = split_heldout(read_jsonl(Path(a.work) / "answers.jsonl"))[1] if a.work else None
     sets = eval_sets(target, heldout, a.per_source, a.bench)
-    # the block drafter's chain is its whole block, drafted in one forward (as verispec train evaluates it)
+    # the DFlash drafter's chain is its whole block, drafted in one forward (as verispec train evaluates it)
     chain = {"draft_length": module.config["block_size"] - 1} if a.kind == "dflash" else {}
     fig = evaluate_head(target, a.kind, module, sets, max_new_tokens=a.tokens, **chain)
     out = {"head": a.head or "shipped", "weights": a.weights, "trained_on": module.config.get("training", {}).get("sequences"), **fig,

@@ -47,8 +47,7 @@ def main() -> None:
         engines[f"{args.method}@{score}"] = engine
     for engine in engines.values():  # untimed warm-up; its answer is not for the caches
         engine.generate(prompts[0][:40], SamplingParams(max_new_tokens=8))
-        if engine.drafter is not None and hasattr(engine.drafter, "forget"):
-            engine.drafter.forget()
+        engine.forget()
     names = list(engines)
     tokens, seconds, steps, equal = ({k: 0 for k in names} for _ in range(4))
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

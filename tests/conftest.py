@@ -170,7 +170,7 @@ def skip_without_native(copies: str) -> None:
 
 
 def feature_drafter(cls, module, vocab_size: int, ctx: list[int], feats, copies: str, python: bool):
-    """A trained-head drafter (EagleDrafter, BlockDrafter) over a copy of `module`, with weight copies as
+    """A trained-head drafter (EagleDrafter, DFlashDrafter) over a copy of `module`, with weight copies as
     `copies` says ("none", "bf16", "8-bit"), its native step turned off where `python` (else checked to
     run), begun on ctx and fed the target features of ctx[:-1]."""
     import copy

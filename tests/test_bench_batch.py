@@ -12,7 +12,7 @@ import pytest
 from test_bench_harness import PNG, byte_tokenizer, saved_tiny  # noqa: F401 - saved_tiny is a fixture
 from conftest import tiny_llama
 from verispec.batch import free_positions
-from verispec.bench import batched, prompts
+from verispec.bench import batched, prompts, report
 from verispec.errors import InvalidParameter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,7 +78,7 @@ def test_result_fields(result, tmp_path):
     assert res["mismatches"] == []
     # slot i of every contender shares one runner (one KV cache per slot), each engine has its own drafter
     assert res["memory"] == {"max_rss_mib": res["memory"]["max_rss_mib"], "engines": 12, "runners": 4}
-    files = batched.write_batch_bench(res, tmp_path / "b.json")
+    files = report.write_batch_bench(res, tmp_path / "b.json")
     data = json.loads(files["json"].read_text())
     assert data["command"] and data["entries"][0]["sequences"][0]["token_ids"]
     md = files["markdown"].read_text()
@@ -137,7 +137,7 @@ def test_planted_mismatch_is_detected(chat_model, monkeypatch):
                                   "question_id": qs[1].question_id, "category": "qa", "turn": 0,
                                   "first_difference_at": 3, "plain_tokens": 8, "method_tokens": 8}]
     assert entry(res, "ar", 2)["summary"]["matches_plain"] == 2 and entry(res, "ar", 1)["summary"]["matches_plain"] == 3
-    md = batched.markdown(res)
+    md = report.batch_markdown(res)
     assert "!!! GREEDY OUTPUT MISMATCHES !!!" in md and "BATCHED OUTPUT DIFFERS FROM PLAIN BATCH-1" in md
 
 

@@ -1,4 +1,4 @@
-"""The block drafter (DFlash-style, drafters/dflash.py) on tiny models: greedy output equals plain
+"""The DFlash drafter (drafters/dflash.py) on tiny models: greedy output equals plain
 decoding (chains and trees, float32 and bfloat16 exact mode, both backends; random drafters, so
 exactness cannot lean on drafter quality), the sampled output keeps the target's distribution with the
 drafter's q, the training forward equals the drafter at inference over the whole prefix, the training
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import distilled_features, feature_drafter, loaded, skip_without_native, tiny_llama
-from verispec.drafters.dflash import (BlockDrafter, BlockDrafterModel, block_logits_for_anchors, load_block_drafter,
+from verispec.drafters.dflash import (DFlashDrafter, DFlashModel, block_logits_for_anchors, load_dflash_model,
                                       position_weights)
 from verispec.engine import Engine
 from verispec.errors import HeadMismatch
@@ -28,13 +28,13 @@ N_NEW = 32
 
 
 def random_drafter_model(target, seed: int = 1, vocab: int | None = None, block_size: int = 5, layers: int = 2,
-                         sharp: float = 20.0) -> BlockDrafterModel:
-    """A random block drafter over a shuffled draft vocabulary of `vocab` ids (confident when sharp is
+                         sharp: float = 20.0) -> DFlashModel:
+    """A random DFlash drafter over a shuffled draft vocabulary of `vocab` ids (confident when sharp is
     large: long wrong blocks exercise rollback)."""
     torch.manual_seed(seed)
     V = target.vocab_size
     vd = vocab or V
-    m = BlockDrafterModel(BlockDrafterModel.make_config(target, vd, block_size=block_size, num_layers=layers))
+    m = DFlashModel(DFlashModel.make_config(target, vd, block_size=block_size, num_layers=layers))
     m.d2t.copy_(torch.randperm(V)[:vd])
     with torch.no_grad():
         m.lm_head.weight.mul_(sharp)
@@ -58,7 +58,7 @@ def test_greedy_exact_tiny(dtype, backend, tree):
     """bfloat16 on the fast backend is exact mode (the runner's default for greedy decoding)."""
     target = loaded(tiny_llama(vocab=48, seed=3, dtype=dtype))
     plain = Engine.for_model(target, None, backend=backend)
-    drafter = BlockDrafter(random_drafter_model(target, vocab=24 if backend == "fast" else None), target.vocab_size,
+    drafter = DFlashDrafter(random_drafter_model(target, vocab=24 if backend == "fast" else None), target.vocab_size,
                            weights_dtype=dtype)
     # a fixed budget: the auto budget may decline to draft (it weighs measured times), and this test is about
     # the tree's output, not that choice
@@ -73,7 +73,7 @@ def test_greedy_exact_tiny(dtype, backend, tree):
 
 @pytest.mark.parametrize("copies", ["none", "bf16", "8-bit"])
 def test_the_native_block_forward_computes_the_python_bits(tiny, copies):
-    """BlockDrafterModel.blocks at inference as one native call (native.dflash_blocks) against its Python
+    """DFlashModel.blocks at inference as one native call (native.dflash_blocks) against its Python
     operations, the reference: the same block logits and drafts, bit for bit, for every kind of weight copy."""
     skip_without_native(copies)
     model = random_drafter_model(tiny, vocab=24, block_size=5, layers=2)
@@ -81,7 +81,7 @@ def test_the_native_block_forward_computes_the_python_bits(tiny, copies):
     feats = torch.randn(len(ctx) - 1, model.fc.in_features)
 
     def drafts(python: bool):
-        d = feature_drafter(BlockDrafter, model, tiny.vocab_size, ctx, feats, copies, python)
+        d = feature_drafter(DFlashDrafter, model, tiny.vocab_size, ctx, feats, copies, python)
         with torch.no_grad():
             lg = d.block_logits(ctx)
             tree = d.propose_tree(ctx, DynamicTree(budget=8, topk=3, depth=4))
@@ -97,7 +97,7 @@ def test_an_oracle_block_is_accepted_whole(tiny):
     B-1 tokens per forward."""
     want = Engine.for_model(tiny, None, backend="fast").generate(PROMPTS[2], SamplingParams(max_new_tokens=N_NEW)).token_ids
     seq = PROMPTS[2] + want
-    drafter = BlockDrafter(random_drafter_model(tiny), tiny.vocab_size)
+    drafter = DFlashDrafter(random_drafter_model(tiny), tiny.vocab_size)
     real = drafter.block_logits
 
     def oracle(context):
@@ -126,7 +126,7 @@ def test_sampling_path_is_lossless():
 
     target, exact = three_token_distribution()
     for tree in (None, "static:[[0],[1],[0,0],[1,0]]"):
-        drafter = BlockDrafter(random_drafter_model(target, block_size=3, sharp=0.5), target.vocab_size)
+        drafter = DFlashDrafter(random_drafter_model(target, block_size=3, sharp=0.5), target.vocab_size)
         engine = Engine.for_model(target, drafter, draft_length=2, tree=tree, backend="hf")
         samples, drafted, accepted = [], 0, 0
         for i in range(2500):
@@ -156,7 +156,7 @@ def _trainable(target, records, block_size=5, seed=0):
 
     torch.manual_seed(seed)
     d2t = build_draft_vocab(records, 32, V)
-    m = BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), block_size=block_size, num_layers=2))
+    m = DFlashModel(DFlashModel.make_config(target, d2t.numel(), block_size=block_size, num_layers=2))
     m.d2t.copy_(d2t)
     with torch.no_grad():
         m.lm_head.weight.copy_(target.model.get_output_embeddings().weight[d2t])
@@ -179,7 +179,7 @@ def test_training_forward_equals_the_drafter(dataset):
     anchors = torch.arange(pl - 2, n - 1)[None]  # pl - 2: the pending token is the last prompt token
     with torch.no_grad():
         train = block_logits_for_anchors(model, tok, feats[None], anchors)[0]
-    drafter = BlockDrafter(model, target.vocab_size)
+    drafter = DFlashDrafter(model, target.vocab_size)
     drafter.begin(seq[:pl], SamplingParams(), None)
     drafter.observe_features(feats[:pl - 1])
     for c, t in enumerate(anchors[0].tolist()):  # anchor t: committed 0..t, pending token seq[t + 1]
@@ -215,7 +215,7 @@ def test_checkpoint_round_trip_and_refusal(dataset, tmp_path):
     with torch.no_grad():
         model.mask_embed.normal_()
     save_head(tmp_path / "d", dict(model.config), model.state_dict(), dtype=torch.float32)
-    back = load_block_drafter(target, tmp_path / "d")
+    back = load_dflash_model(target, tmp_path / "d")
     assert json.loads((tmp_path / "d" / "config.json").read_text())["kind"] == "dflash"
     tok = torch.randint(0, V, (1, 12))
     feats = torch.randn(1, 12, len(model.feature_layers) * model.hidden)
@@ -225,18 +225,18 @@ def test_checkpoint_round_trip_and_refusal(dataset, tmp_path):
                                    block_logits_for_anchors(back, tok, feats, anchors))
     assert back.d2t.tolist() == model.d2t.tolist()
     save_head(tmp_path / "d16", dict(model.config), model.state_dict())  # bfloat16 storage, as shipped
-    load_block_drafter(target, tmp_path / "d16")
+    load_dflash_model(target, tmp_path / "d16")
 
     other = loaded(tiny_llama(vocab=V, seed=12, layers=4), name="other")  # same shape, other weights
     with pytest.raises(HeadMismatch, match="trained for 'tiny'") as err:
-        load_block_drafter(other, tmp_path / "d")
+        load_dflash_model(other, tmp_path / "d")
     assert "\n" not in str(err.value) and "verispec train dflash" in str(err.value)
     with pytest.raises(HeadMismatch, match="not a 'dflash' head"):
         from verispec.drafters.eagle import EagleHead
 
         e = EagleHead(EagleHead.make_config(target, 32))
         save_head(tmp_path / "e", dict(e.config), e.state_dict())
-        load_block_drafter(target, tmp_path / "e")
+        load_dflash_model(target, tmp_path / "e")
 
 
 def test_method_and_cli_refuse_bad_input(tiny):

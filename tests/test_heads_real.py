@@ -1,5 +1,5 @@
-"""The shipped EAGLE and Medusa heads and the block drafter (dflash) on the real embedded SmolLM2-135M
-(float32, and the block drafter also in bfloat16 exact mode): greedy output equals plain greedy decoding
+"""The shipped EAGLE and Medusa heads and the DFlash drafter (dflash) on the real embedded SmolLM2-135M
+(float32, and the DFlash drafter also in bfloat16 exact mode): greedy output equals plain greedy decoding
 token for token (5 prompts x 64 tokens), as chains and trees, and the heads really draft (some drafts
 accepted)."""
 
@@ -39,8 +39,8 @@ def test_heads_are_shipped_and_small():
     assert (path / "model.safetensors").stat().st_size <= 30 * 2**20
 
 
-def test_shipped_block_drafter_greedy_exact_bfloat16():
-    """The block drafter as it ships (bf16 target with the default weights: the file's q4 where qmm runs,
+def test_shipped_dflash_drafter_greedy_exact_bfloat16():
+    """The DFlash drafter as it ships (bf16 target with the default weights: the file's q4 where qmm runs,
     else packed bf16; exact mode): output equals plain decoding's, as a whole block (draft length B-1) and
     as a tree."""
     from verispec.models import load_model

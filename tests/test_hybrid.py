@@ -145,10 +145,10 @@ def test_free_steps_do_not_teach_the_auto_budget():
     target = loaded(tiny_llama(vocab=48, seed=3), name="tiny-hybrid-budget")
     engine = Engine.for_model(target, Always(make_suffix_drafter("t", cache="off"), Never()), tree="dynamic",
                               backend="fast", verify_cost={1: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 2.0, 64: 4.0})
-    before = engine.rank_acceptance.pooled()
+    before = engine.budget.rank_acceptance.pooled()
     got = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=12))
     assert got.stats.drafted > 0
-    assert engine.rank_acceptance.pooled() == before
+    assert engine.budget.rank_acceptance.pooled() == before
 
 
 def test_the_methods_are_registered_and_build():

@@ -7,10 +7,10 @@ from typer.testing import CliRunner
 
 from conftest import loaded, tiny_llama
 from verispec.api import build_engine, generate
-from verispec.engine import EXPLORE, EXPLORE_MAX, EXPLORE_RUN
 from verispec.cli import app
 from verispec.errors import InvalidParameter
 from verispec.tree import DynamicTree, StaticTree, StepCosts, measure_verify_cost, tree_tokens
+from verispec.tree.budget import EXPLORE, EXPLORE_MAX, EXPLORE_RUN
 from verispec.types import SamplingParams
 
 
@@ -46,7 +46,7 @@ def test_auto_budget_follows_the_cost_curve():
     gaps = [b[0] - a[-1] for a, b in zip([[-1]] + runs, runs)]
     assert gaps == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE] + [EXPLORE_MAX] * 4
     # a new generation (other text, its own acceptance counts) tries drafting after EXPLORE plain steps again
-    steep.new_steps()
+    steep.budget.new_generation()
     shapes = [steep.tree_shape(6) for _ in range(EXPLORE + EXPLORE_RUN)]
     assert [i for i, s in enumerate(shapes) if s is not None] == list(range(EXPLORE - 1, EXPLORE - 1 + EXPLORE_RUN))
     # and the other way: where trees pay, one plain step after EXPLORE trees in a row, then after 2x, ... (a plain
@@ -60,7 +60,7 @@ def test_auto_budget_follows_the_cost_curve():
     g = flat.generate(prompt, SamplingParams(max_new_tokens=12))
     assert g.token_ids == want[:12]
     steep = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 256: 256.0}, backend="hf")
-    steep.step_costs.observe = lambda budget, seconds: None  # priced by the curve alone, not by the steps' times
+    steep.budget.step_costs.observe = lambda budget, seconds: None  # priced by the curve alone, not by the steps' times
     g = steep.generate(prompt, SamplingParams(max_new_tokens=24))
     assert g.token_ids == want and 0 < g.stats.tree_steps < g.stats.steps // 2, g.stats
 
@@ -73,7 +73,7 @@ def test_auto_budget_counts_what_drafting_costs():
     target = loaded(tiny_llama())
     e = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 1.0, 2: 1.1, 256: 256.0},
                      backend="hf")
-    assert e.tree_shape(6).budget >= 1 and e.step_costs.means == {}
+    assert e.tree_shape(6).budget >= 1 and e.budget.step_costs.means == {}
     real = e.drafter.propose_tree
 
     def slow(context, shape):
@@ -81,10 +81,10 @@ def test_auto_budget_counts_what_drafting_costs():
         return real(context, shape)
 
     e.drafter.propose_tree = slow
-    e.verify_cost = {1: 0.01, 2: 0.011, 256: 2.56}  # a drafted node costs 0.001 s to verify, 0.05 s to draft
+    e.budget.verify_cost = {1: 0.01, 2: 0.011, 256: 2.56}  # a drafted node costs 0.001 s to verify, 0.05 s to draft
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     g = e.generate(prompt, SamplingParams(max_new_tokens=20))
-    drafted = {b: s for b, s in e.step_costs.means.items() if b > 0}
+    drafted = {b: s for b, s in e.budget.step_costs.means.items() if b > 0}
     assert drafted and min(drafted.values()) >= 0.03 and g.stats.tree_steps < g.stats.steps
     assert e.tree_shape(6) is None
 
@@ -96,12 +96,12 @@ def test_step_costs_count_steady_steps_only():
     target = loaded(tiny_llama())
     e = build_engine(target, "ngram", tree="dynamic", tree_budget="auto", verify_cost={1: 0.5, 4: 1.0, 256: 50.0},
                      backend="hf")
-    e.new_steps()
+    e.budget.new_generation()
     for budget, positions, seconds in [(0, 1, 5.0), (3, 4, 9.0), (3, 4, 2.0), (0, 1, 0.75), (3, 4, 7.0), (3, 4, 3.0),
                                        (0, 1, 0.1)]:
-        e._budget = budget  # as tree_shape sets it
-        e.observe_step(positions, seconds)
-    costs = e.step_costs
+        e.budget.chosen = budget  # as choose sets it
+        e.budget.observe(positions, seconds)
+    costs = e.budget.step_costs
     assert costs.plain() == pytest.approx(0.8 * 0.25 + 0.2 * -0.4)  # faster than the curve: below 0
     assert costs.means[3] == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)  # the first step and those after a plain one left out
     assert costs.drafting(3) == costs.drafting(1) == costs.drafting(63) == costs.means[3]
@@ -116,13 +116,13 @@ def test_auto_budget_builds_its_trees_again_only_when_the_acceptance_changes():
     target = loaded(tiny_llama())
     e = build_engine(target, "ngram", tree="dynamic", tree_budget="auto",
                      verify_cost={1: 0.01, 2: 0.05, 256: 12.8}, backend="hf")  # a node never pays: plain steps
-    e.step_costs.observe = lambda budget, seconds: None  # priced by the curve alone, not by the steps' times
+    e.budget.step_costs.observe = lambda budget, seconds: None  # priced by the curve alone, not by the steps' times
     tree_tokens.cache_clear()
     g = e.generate([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_new_tokens=30))
     candidates = 6  # AUTO_BUDGETS but the plain step
     assert g.stats.steps >= 20 and tree_tokens.cache_info().misses <= candidates * (1 + g.stats.tree_steps)
     assert g.stats.tree_steps >= 1  # the exploration still drafts now and then
-    e.verify_cost = {1: 0.01, 2: 0.0101, 256: 2.56}  # another cost curve: chosen again, now drafting
+    e.budget.verify_cost = {1: 0.01, 2: 0.0101, 256: 2.56}  # another cost curve: chosen again, now drafting
     assert e.tree_shape(6) is not None
 
 

@@ -2,11 +2,11 @@
 
     prefill(prompt[:-1])                 the last committed token is always "pending": not yet in the cache
     repeat:
-      proposal = drafter.propose(...)    k tokens (or a tree: Proposal.parents), draft probabilities or None
+      proposal = drafter.propose(...)    k tokens (or a tree of the auto budget's choose()), draft probabilities
       logits   = target([pending] + proposal)   ONE forward pass (a tree: under its ancestor mask)
       result   = verify(proposal, logits)       accepted tokens + one recovered/bonus token (acceptance.py)
       runner.commit(the accepted path's slots)  a chain's path is a crop; a tree's is compacted
-      stats.observe(result)
+      stats.observe(result); budget.observe(the step's time)   (tree/budget.AutoBudget)
 
 A chain is the tree whose parents are the previous node; the engine treats both alike and lets
 acceptance.py pick the chain's fast rule. A proposal may carry auxiliary nodes (lookahead decoding's
@@ -33,19 +33,10 @@ from verispec.errors import InvalidParameter, InvalidPrompt
 from verispec.metrics import SpecStats
 from verispec.output import Output, StepEvent
 from verispec.sampling import make_generator
-from verispec.theory import CostCurve
-from verispec.tree import (DynamicTree, RankAcceptance, StaticTree, StepCosts, TreeLayout, TreeShape, choose_budget,
-                           measure_verify_cost, parse_tree)
+from verispec.tree import AutoBudget, DynamicTree, StaticTree, TreeLayout, TreeShape, measure_verify_cost, parse_tree
 from verispec.types import Proposal, SamplingParams
 
-# the auto budget's choices: a plain step (0: not drafting is expected to pay more) or a tree of so many nodes
-AUTO_BUDGETS = (0, 1, 3, 7, 15, 31, 63)
 FREE_NODES = 16  # the most nodes a free proposal (Drafter.propose_free) may verify: suffix decoding's own tree size
-EXPLORE, EXPLORE_MAX = 8, 64  # steps of one kind (plain or drafted) in a row after which the auto budget tries
-#                               the other (to keep measuring the acceptance and both kinds' costs), doubling
-#                               while the other keeps not paying
-EXPLORE_RUN = 2  # drafted steps in a row when it tries drafting: the first catches a feature drafter up with
-#                  the plain steps' positions, the second is a steady step whose cost StepCosts can count
 
 
 @dataclass
@@ -121,18 +112,9 @@ class Engine:
         if self.features and not runner.can_features:
             raise InvalidParameter(f"the '{drafter.name}' drafter needs the target's hidden features, "
                                    "which this backend does not expose")
-        # hardware-aware budget (DynamicTree(budget=None)): cost curve measured once, acceptance by rank
-        # learned across generations
-        self.verify_cost = verify_cost
-        self.rank_acceptance = RankAcceptance()
-        self.step_costs = StepCosts()  # what a step costs beyond its forward, measured (auto budget)
-        self._curve: tuple[int, CostCurve] | None = None  # verify_cost as a CostCurve (keyed by its id)
-        self._drafting = False    # the kind of step the auto budget chose last (True: a tree)
-        self._streak = 0          # steps of that kind in a row
-        self._explore = EXPLORE   # ... after which it tries the other kind
-        self._forced = 0          # drafted steps of such a try still to come
-        self._budget: int | None = None       # the auto budget of the step in progress (None: not chosen)
-        self._last_budget: int | None = None  # ... of the step before it in this generation
+        # the hardware-aware budget of a dynamic tree without a node count (tree/budget.py): it chooses each
+        # step's nodes and learns from the steps; the other trees and plain decoding never ask it
+        self.budget = AutoBudget(verify_cost)
         self.runner, self.eos_ids, self.decode = runner, set(eos_ids), decode
         self.context_length = context_length
         self.drafter = drafter
@@ -168,56 +150,22 @@ class Engine:
             return tree.truncated(max_depth) if tree.depth > max_depth else tree
         budget = tree.budget
         if budget is None:
-            if self._forced:
-                budget, self._forced = 1, self._forced - 1
-            else:
-                costs = self.step_costs
-                budget = choose_budget(self.rank_acceptance.profile(), self.cost_curve(), AUTO_BUDGETS,
-                                       draft_cost=costs.drafting, max_depth=tree.depth, plain_cost=costs.plain()).budget
-                # a plain step teaches the acceptance estimate nothing, and a kind of step not taken keeps its
-                # old measured cost: after EXPLORE steps of one kind in a row the other is tried (a run of
-                # EXPLORE_RUN one-node steps, or one plain step), then after twice as many (up to
-                # EXPLORE_MAX) while the choice stays
-                if (budget > 0) != self._drafting:
-                    self._drafting, self._streak, self._explore = budget > 0, 0, EXPLORE
-                self._streak += 1
-                if self._streak >= self._explore:
-                    self._streak, self._explore = 0, min(2 * self._explore, EXPLORE_MAX)
-                    budget, self._forced = (0, 0) if self._drafting else (1, EXPLORE_RUN - 1)
-            self._budget = budget
+            budget = self.budget.choose(tree.depth)
             if budget == 0:
                 return None
         if max_nodes is not None:
             budget = min(budget, max_nodes)
         return DynamicTree(budget=budget, topk=tree.topk, depth=min(tree.depth, max_depth))
 
-    def cost_curve(self) -> CostCurve:
-        """verify_cost (positions -> seconds of a forward) as a CostCurve, built once per cost dict."""
-        if self._curve is None or self._curve[0] != id(self.verify_cost):
-            cost = self.verify_cost
-            self._curve = (id(cost), CostCurve(list(cost), list(cost.values())))
-        return self._curve[1]
+    @property
+    def verify_cost(self) -> dict[int, float] | None:
+        """The cost curve the auto budget prices forwards with (positions -> seconds; None: not measured)."""
+        return self.budget.verify_cost
 
-    def new_steps(self) -> None:
-        """A generation begins: no step of it before the next (the auto budget's step costs stay, its
-        acceptance estimate starts this generation's own counts, and it tries the kind of step it does not
-        take after EXPLORE steps again, so that those counts come soon)."""
-        self._budget = self._last_budget = None
-        self.rank_acceptance.new_generation()
-        self._streak, self._explore = 0, EXPLORE
-
-    def observe_step(self, positions: int, seconds: float) -> None:
-        """A single sequence's whole step took `seconds` and verified `positions`: what it cost beyond its
-        forward on the cost curve goes to StepCosts under the auto budget it ran, for steady steps only: not
-        a generation's first, nor a drafted step right after a plain one (StepCosts says why). A batch's
-        steps are not observed: their forward is shared, and the batch's share of positions bounds each
-        sequence's tree."""
-        budget, self._budget = self._budget, None
-        if budget is not None and self._last_budget is not None and (budget == 0 or self._last_budget > 0):
-            # may be below 0 (a curve measured while the machine was busier, or given for another one): the
-            # curve plus it is then still the step's measured time
-            self.step_costs.observe(budget, seconds - self.cost_curve().seconds(positions))
-        self._last_budget = budget
+    def forget(self) -> None:
+        """Drop what the drafter keeps across generations (Drafter.forget; plain decoding keeps nothing)."""
+        if self.drafter is not None:
+            self.drafter.forget()
 
     def prefill(self, ids: list[int], should_stop: Callable[[], bool] | None = None):
         """Feed `ids` into the target's cache -> (stopped, the features of every position or None).
@@ -272,9 +220,10 @@ class Engine:
                 run.cancel()
                 break
             t0 = time.perf_counter()
-            call = run.plan()
-            event = run.finish(self.runner.forward(call.ids, tree=call.tree, features=call.features))
-            self.observe_step(len(call.ids), time.perf_counter() - t0)
+            call = run.plan()  # propose
+            scores = self.runner.forward(call.ids, tree=call.tree, features=call.features)  # verify in one pass
+            event = run.finish(scores)  # accept, commit
+            self.budget.observe(len(call.ids), time.perf_counter() - t0)  # what the step cost
             yield event
         self.last = run.result()
 
@@ -319,10 +268,10 @@ class Decoding:
         """Reset the runner and feed the prompt (all but its last token); the drafter begins. True when
         should_stop stopped it (the generation is then cancelled)."""
         engine, out = self.engine, self.out
-        if isinstance(engine.tree, DynamicTree) and engine.tree.budget is None and engine.verify_cost is None:
-            engine.verify_cost = measure_verify_cost(engine.runner)  # once per engine, before the prefill
+        if isinstance(engine.tree, DynamicTree) and engine.tree.budget is None and engine.budget.verify_cost is None:
+            engine.budget.verify_cost = measure_verify_cost(engine.runner)  # once per engine, before the prefill
         engine.runner.reset(self.params)
-        engine.new_steps()
+        engine.budget.new_generation()
         stopped, features = engine.prefill(out.context[:-1], should_stop) if len(out.context) > 1 else (False, None)
         self.stats.prefill_time = time.perf_counter() - self.t_start
         if stopped:
@@ -366,8 +315,7 @@ class Decoding:
         engine.runner.commit(base, path)
         stats.observe(result, nodes.layout)
         if nodes.layout is not None and not nodes.free:
-            for offered, rank in nodes.layout.walk_ranks(result.accepted_nodes):
-                engine.rank_acceptance.observe(offered, rank)
+            engine.budget.observe_acceptance(nodes.layout, result.accepted_nodes)
         stats.draft_time += t1 - t0
         stats.verify_time += time.perf_counter() - t1
         self.schedule.observe(result)

@@ -32,7 +32,7 @@ def make_runner(model, backend: str = "auto", **fast_options) -> Runner:
 
 def forward_many(calls: list[tuple[Runner, Forward]]) -> list[Scores]:
     """Each runner's Forward scored, in order: the calls whose runners give equal `batch_key`s share
-    forwards (the backend's `forward_together`), the others run alone. Each runner appears once."""
+    forwards (their class's `Runner.forward_together`), the others run alone. Each runner appears once."""
     out: list[Scores | None] = [None] * len(calls)
     groups: dict = {}
     for i, (runner, call) in enumerate(calls):

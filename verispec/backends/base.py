@@ -4,11 +4,14 @@ A runner is a causal LM with its KV cache. The engine resets it per generation, 
 or a tree under an ancestor mask) and gets their logits and, when asked, hidden features back, then
 commits the accepted path's slots. A chain is the tree whose nodes descend from the previous one, so a
 chain's commit is a crop: `commit(start, [0, 1, .., m - 1])` keeps the first m slots from start.
+Several runners' calls may share one forward (backends.forward_many): the runners whose `batch_key`s
+are equal go to their class's `forward_together`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
@@ -59,17 +62,20 @@ class Forward(NamedTuple):
     features: tuple[int, ...] = ()
 
 
-class Runner(Protocol):
-    """A target backend. Members with a body are defaults a backend may override."""
+class Runner(ABC):
+    """A target backend: a backend subclasses this, implements the abstract members, and keeps or overrides
+    the members with a body (the defaults)."""
 
     length: int  # positions held in the cache
     prefill_chunk: int = 256  # prompt tokens per prefill pass (the engine's chunked prefill)
     can_features: bool = False  # forward(features=...) returns hidden features
 
+    @abstractmethod
     def reset(self, params=None) -> None:
         """Start an empty sequence. params (SamplingParams): the generation's sampling, for backends whose
         numerics follow it (the fast backend's exact mode); None keeps the last generation's."""
 
+    @abstractmethod
     def forward(self, ids, tree: TreeMask | None = None, *, last_only: bool = False,
                 features: tuple[int, ...] = ()) -> Scores:
         """ids [n] appended after the cached positions (causally, or as tree nodes) -> Scores.
@@ -77,6 +83,7 @@ class Runner(Protocol):
         features: hidden-state indices to return (transformers' numbering: i = the output of decoder
         layer i - 1, num_hidden_layers = the final normed state), concatenated per position."""
 
+    @abstractmethod
     def rollback(self, length: int) -> None:
         """Keep the first `length` positions (no-op when it holds fewer)."""
 
@@ -92,9 +99,15 @@ class Runner(Protocol):
         raise InvalidParameter("this target backend cannot verify trees; drop the tree option")
 
     def batch_key(self, call: Forward):
-        """Runners whose calls have equal keys can score them in one shared forward (`forward_together`,
-        a static method of the backend); None: this call runs alone (the default)."""
+        """Runners whose calls have equal keys can score them in one shared forward (`forward_together`);
+        None: this call runs alone (the default)."""
         return None
+
+    @staticmethod
+    def forward_together(runners: list["Runner"], calls: list[Forward]) -> list[Scores]:
+        """Each runner's call scored (the runners' batch_keys are equal), in order; a backend whose calls
+        can share forwards overrides this. The default: each runner's own forward, one after another."""
+        return [r.forward(c.ids, tree=c.tree, features=c.features) for r, c in zip(runners, calls)]
 
 
 def path_is_chain(keep) -> bool:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.backends.base import Forward, Scores, TreeMask, path_is_chain
+from verispec.backends.base import Forward, Runner, Scores, TreeMask, path_is_chain
 from verispec.errors import InvalidPrompt
 from verispec.fast import canonical, shared_fast_model
 from verispec.fast.decoder import Part
@@ -85,8 +85,9 @@ class PassMode:
         return cls(rows="natural" if natural_rows and canonical else "bucket", blocks=True, canonical=canonical)
 
 
-class FastRunner:
-    """The Runner contract (backends/base.py) over a fast family module (verispec/fast/)."""
+class FastRunner(Runner):
+    """The Runner contract (backends/base.py) over a fast family module (verispec/fast/); its calls share
+    forwards (batch_key, forward_together) where a sequence's bits stay its own."""
 
     can_features = True
 

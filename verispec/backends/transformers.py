@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from verispec.backends.base import Scores, TreeMask, path_is_chain
+from verispec.backends.base import Runner, Scores, TreeMask, path_is_chain
 from verispec.errors import UnsupportedModel
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass when a generation can be stopped between them
@@ -61,8 +61,9 @@ def build_tree_mask(plan: dict[str, int | None], allowed: torch.Tensor, q_pos: t
     return next(iter(out.values())) if len(out) == 1 else out
 
 
-class HFRunner:
-    """The Runner contract (backends/base.py) over a transformers model and a DynamicCache."""
+class HFRunner(Runner):
+    """The Runner contract (backends/base.py) over a transformers model and a DynamicCache. Each sequence
+    runs its own forwards (a DynamicCache per runner): the default batch_key, None."""
 
     prefill_chunk = PREFILL_CHUNK
     can_features = True
@@ -93,10 +94,6 @@ class HFRunner:
         self.length += n
         feats = torch.cat([out.hidden_states[i][0] for i in features], dim=-1) if features else None
         return Scores(out.logits[0], feats)
-
-    def batch_key(self, call) -> None:
-        """Each sequence runs its own forward here (a DynamicCache per runner)."""
-        return None
 
     def check_tree_support(self) -> None:
         if self._mask_plan is None:

@@ -86,7 +86,31 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
     return ids
 
 
-class VerispecContender:
+class Contender:
+    """What a bench times: a label, a kind ("verispec": a method, whose output must equal plain decoding's;
+    "baseline": an outside one, reported when it fails and when it differs), and `generate`. The members
+    with a body are defaults a contender may override."""
+
+    label: str
+    kind: str  # each contender class says which
+    options: dict  # how it was set up, as the result records it
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict | None]:
+        """Greedy output ids (EOS not included) and its speculation statistics (None: it has none)."""
+        raise NotImplementedError
+
+    def forget(self) -> None:
+        """Drop what it keeps across generations (the default: nothing), so that the warm-up's answer to a
+        measured question is not remembered."""
+
+    def describe(self) -> dict:
+        """Its method, draft length and options, as the result's config records them."""
+        return {"method": None, "draft_length": None, "options": self.options}
+
+
+class VerispecContender(Contender):
+    """A verispec method: an engine built for `spec`."""
+
     kind = "verispec"
 
     def __init__(self, target, spec: MethodSpec, draft=None, engine=None):
@@ -114,12 +138,13 @@ class VerispecContender:
 
     def forget(self) -> None:
         """Drop what the drafter keeps across generations (suffix decoding's cache of earlier outputs)."""
-        forget = getattr(self.engine.drafter, "forget", None)
-        if callable(forget):
-            forget()
+        self.engine.forget()
+
+    def describe(self) -> dict:
+        return {"method": self.spec.method, "draft_length": self.spec.draft_length, "options": self.spec.options}
 
 
-class HFContender:
+class HFContender(Contender):
     """transformers generate() on the target's own model object (greedy, batch 1)."""
 
     kind = "baseline"
@@ -137,7 +162,7 @@ class HFContender:
         self.config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=sorted(self.eos) or None,
                                        pad_token_id=pad, prompt_lookup_num_tokens=prompt_lookup)
         self.options = {"prompt_lookup_num_tokens": prompt_lookup,
-                        "assistant_model": getattr(assistant, "name", None) if assistant is not None else None}
+                        "assistant_model": assistant.name if assistant is not None else None}
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
@@ -199,7 +224,7 @@ def load_llamacpp(gguf_path, n_ctx: int, threads: int | None, **options):
                                verbose=False, **options)
 
 
-class LlamaCppContender:
+class LlamaCppContender(Contender):
     """llama.cpp on the model's GGUF file (the quantized original, so outputs may differ from the
     dequantized transformers model: a baseline for speed, not for exactness)."""
 
@@ -247,7 +272,7 @@ def split_baselines(text: str) -> list[str]:
     return out
 
 
-class OpenAIContender:
+class OpenAIContender(Contender):
     """An OpenAI-compatible server: POST /v1/completions with the prompt as token ids, greedy, streamed.
     Its time is the client's wall time for the whole streamed answer (HTTP and the server's own queueing
     included, as a user sees it). Output token ids come from the stream where the server sends them

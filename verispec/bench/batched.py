@@ -355,9 +355,9 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
         resolved[AUTO] = free_positions(cost)
     for c in contenders:  # a dynamic tree sizes itself from the cost curve: measured once here, not per engine in a timed run
         for e in c.engines:
-            if isinstance(e.tree, DynamicTree) and e.tree.budget is None and e.verify_cost is None:
+            if isinstance(e.tree, DynamicTree) and e.tree.budget is None and e.budget.verify_cost is None:
                 cost = cost or measure_verify_cost(contenders[0].engines[0].runner)
-                e.verify_cost = cost
+                e.budget.verify_cost = cost
     for st in settings:
         if isinstance(st, int):
             resolved[st] = st
@@ -371,9 +371,7 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
                            min(top, len(warm)), fixed(c.setting), min(max_new_tokens, 8), cost=priced(c.setting))
     for c in contenders:  # the warm-up answered measured questions: no drafter may remember them
         for e in c.engines:
-            forget = getattr(e.drafter, "forget", None)
-            if callable(forget):
-                forget()
+            e.forget()
 
     from tqdm.auto import tqdm
 
@@ -406,7 +404,7 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
         "schema": SCHEMA,
         "config": {
             "model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
-            "weights": target_format(target), "draft": getattr(draft, "name", None), "prompt_set": prompt_set,
+            "weights": target_format(target), "draft": draft.name if draft is not None else None, "prompt_set": prompt_set,
             "prompt_mode": "chat" if chat else "raw", "max_new_tokens": max_new_tokens, "draft_length": draft_length,
             "warmup": warmup, "greedy": True, "batch_sizes": sizes, "admission": "continuous",
             "positions": [AUTO if s == AUTO else s for s in settings], "positions_resolved": resolved.get(AUTO),
@@ -427,93 +425,3 @@ def run_batch_bench(target, methods=("ar", "ngram"), questions: list[Question] |
     result["mismatches"] = find_batch_mismatches(reference, entries)
     _fill_comparisons(result)
     return result
-
-
-# ---------------------------------------------------------------- reporting
-
-
-def _fmt(v, spec: str = ".2f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def mismatch_lines(result: dict) -> list[str]:
-    return [f"GREEDY MISMATCH (BATCHED OUTPUT DIFFERS FROM PLAIN BATCH-1 DECODING): {m['method']} at batch size "
-            f"{m['batch_size']} on question {m['question_id']} ({m['category']}), turn {m['turn'] + 1}, first different "
-            f"token at {m['first_difference_at']}" for m in result.get("mismatches", [])]
-
-
-def table(result: dict) -> str:
-    head = ["method", "B", "positions", "tok/s", "speedup", "latency p50 s", "latency p95 s", "ms/token p50",
-            "ms/token p95", "tau", "occupancy", "positions/step", "load", "= plain"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for e in result["entries"]:
-        s = e["summary"]
-        load = e.get("load_average") or [None, None]
-        rows.append("| " + " | ".join([
-            e["label"], str(e["batch_size"]), "-" if e["positions"] is None else str(e["positions"]),
-            _fmt(s["tokens_per_second"], ".1f"), _fmt(s.get("speedup")) + "x",
-            _fmt(s["latency_p50_s"]), _fmt(s["latency_p95_s"]),
-            _fmt(s["time_per_token_p50_s"] and s["time_per_token_p50_s"] * 1e3, ".0f"),
-            _fmt(s["time_per_token_p95_s"] and s["time_per_token_p95_s"] * 1e3, ".0f"),
-            _fmt(s["mean_accepted_length"]), _fmt(s["mean_occupancy"], ".1f"), _fmt(s["positions_per_step"], ".1f"),
-            "/".join(_fmt(x, ".1f") for x in load), f"{s['matches_plain']}/{s['questions']}",
-        ]) + " |")
-    return "\n".join(rows)
-
-
-def markdown(result: dict) -> str:
-    cfg, env, ref = result["config"], result["environment"], result["reference"]
-    hw = env.get("gpu") or env.get("cpu")
-    out = [f"# verispec bench --batch-size: {cfg['model']} ({cfg['dtype']}, {cfg['device']})", "",
-           f"- prompts: {cfg['prompt_set'] or 'custom'} ({len(result['questions'])} questions, "
-           f"{len(ref['sequences'])} turns, {cfg['prompt_mode']} mode), greedy, max {cfg['max_new_tokens']} new tokens "
-           f"per turn, draft length {cfg['draft_length']}, continuous admission (all prompts queued at the start)",
-           f"- machine: {hw}, {env.get('torch_threads')} torch threads, {env.get('cpu_count')} CPUs; torch {env['torch']}, "
-           f"verispec {env.get('verispec')} ({env.get('git_commit')}), {env['time_utc']}",
-           f"- positions budget auto = {cfg['positions_resolved']} at B=1, chosen each step at the batch's size (batch.free_positions of the measured cost curve)"
-           if cfg.get("positions_resolved") else "- positions budget: none unless the row says",
-           f"- plain, unbatched (Engine.generate, one prompt at a time): {ref['tokens_per_second']:.1f} tok/s",
-           "- speedup: aggregate tokens/s over ar at B=1 in the same run; latency: admission (prefill included) "
-           "to last token; tau: tokens per target forward per sequence; occupancy: mean sequences per shared "
-           "forward; load: 1-minute load average before/after the row"]
-    if cfg.get("skipped_questions"):
-        out.append(f"- skipped {len(cfg['skipped_questions'])} questions too long for the context window")
-    mism = mismatch_lines(result)
-    if mism:
-        out += ["", "## !!! GREEDY OUTPUT MISMATCHES !!!", ""] + [f"- **{m}**" for m in mism]
-    out += ["", "## By batch size", "", table(result)]
-    return "\n".join(out) + "\n"
-
-
-def plot(result: dict, path) -> object:
-    """Aggregate tokens/s and p50 latency against the batch size, one line per contender."""
-    from pathlib import Path
-
-    from verispec.bench.report import _plt, _save
-
-    fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(11, 4.2))
-    for label in dict.fromkeys(e["label"] for e in result["entries"]):
-        mine = [e for e in result["entries"] if e["label"] == label]
-        bs = [e["batch_size"] for e in mine]
-        ax.plot(bs, [e["summary"]["tokens_per_second"] for e in mine], marker="o", label=label)
-        ax2.plot(bs, [e["summary"]["latency_p50_s"] or 0.0 for e in mine], marker="o", label=label)
-    for a, y in ((ax, "aggregate tokens / s"), (ax2, "per-sequence latency p50 (s)")):
-        a.set_xscale("log", base=2)
-        a.set_xlabel("batch size B")
-        a.set_ylabel(y)
-        a.legend(fontsize=8)
-    ax.set_title(f"{result['config']['model']} ({result['config']['dtype']}): continuous batching")
-    return _save(fig, Path(path))
-
-
-def write_batch_bench(result: dict, json_path, plots: bool = True) -> dict:
-    """Write the JSON (with the command line), the markdown table next to it (.md) and, with plots, <stem>_batch.png."""
-    from pathlib import Path
-
-    from verispec.bench.report import write_json_and_markdown
-
-    json_path = Path(json_path)
-    files = write_json_and_markdown(result, json_path, markdown(result))
-    if plots:
-        files["batch_png"] = plot(result, Path(f"{json_path.with_suffix('')}_batch.png"))
-    return files

@@ -61,7 +61,7 @@ def environment(target=None) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "verispec": getattr(verispec, "__version__", None),
+        "verispec": verispec.__version__,
         "git_commit": _git_commit(),
         "platform": platform.platform(),
         "cpu": _cpu_model(),

@@ -117,7 +117,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
     """Run the benchmark and return the full result (JSON-ready): config, environment, every run, summary.
 
     target: a LoadedModel or a model name (loaded with dtype/device). methods: method names, specs like
-    'ngram:draft_length=4', MethodSpec objects, or ready contenders (objects with label, kind, generate).
+    'ngram:draft_length=4', MethodSpec objects, or ready contenders (baselines.Contender).
     draft: the draft model (LoadedModel or name) for 'draft' and 'hf-assisted'. roofline: a roofline
     result or file for the predicted speedup with the measured verification cost."""
     from verispec.models import LoadedModel, load_model
@@ -145,7 +145,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
     def drop(c, exc: Exception) -> None:
         """A foreign baseline that raises is reported as not run (with why), and the bench goes on;
         a verispec method that raises is a bug and stops it."""
-        if getattr(c, "kind", "verispec") != "baseline":
+        if c.kind != "baseline":
             raise exc
         skipped[c.label] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
         contenders.remove(c)
@@ -158,8 +158,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
         except Exception as exc:  # noqa: BLE001 - see drop()
             drop(c, exc)
     for c in contenders:  # the warm-up answered a measured question: no contender may remember it
-        if callable(getattr(c, "forget", None)):
-            c.forget()
+        c.forget()
 
     from tqdm.auto import tqdm
 
@@ -185,7 +184,7 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
                 runs = [r for r in runs if r["method"] != c.label]
                 continue
             runs.append({"question_id": q.question_id, "category": q.category, "method": c.label,
-                         "kind": getattr(c, "kind", "verispec"), "question_index": qi,
+                         "kind": c.kind, "question_index": qi,
                          "new_tokens": sum(t["new_tokens"] for t in turns),
                          "time_s": sum(t["time_s"] for t in turns), "turns": turns})
             bar.update(1)
@@ -196,16 +195,12 @@ def run_bench(target, methods=("ar", "ngram"), questions: list[Question] | None 
         "config": {
             "model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
             "weights": target_format(target),
-            "draft": getattr(draft, "name", None), "prompt_set": prompt_set, "prompt_mode": "chat" if chat else "raw",
+            "draft": draft.name if draft is not None else None, "prompt_set": prompt_set, "prompt_mode": "chat" if chat else "raw",
             "max_new_tokens": max_new_tokens, "draft_length": draft_length, "warmup": warmup,
             "greedy": True, "batch_size": 1,
-            "contenders": [{"label": c.label, "kind": getattr(c, "kind", "verispec"),
-                            "method": getattr(getattr(c, "spec", None), "method", None),
-                            "draft_length": getattr(getattr(c, "spec", None), "draft_length", None),
-                            "options": getattr(getattr(c, "spec", None), "options", None) or getattr(c, "options", {})}
-                           for c in contenders],
+            "contenders": [{"label": c.label, "kind": c.kind, **c.describe()} for c in contenders],
             "skipped_contenders": skipped, "skipped_questions": skipped_q,
-            "roofline": getattr(curve, "source", None) if curve is not None else None,
+            "roofline": curve.source if curve is not None else None,
         },
         "environment": environment(target),
         "questions": [q.to_dict() for q in runnable],

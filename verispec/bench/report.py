@@ -1,4 +1,5 @@
-"""Turn benchmark and roofline results into files people read: JSON, a markdown table, PNG plots.
+"""Turn benchmark and roofline results into files people read: JSON, a markdown table, PNG plots, for
+each kind of result (bench/harness.py's, bench/batched.py's, bench/roofline.py's); the benches only run.
 
 Plots are drawn with matplotlib's Agg backend (no display needed). One result or several side by side
 (`verispec report a.json b.json`) to compare runs and machines.
@@ -196,6 +197,84 @@ def write_bench(result: dict, json_path: str | Path, plots: bool = True) -> dict
     return files
 
 
+# ---------------------------------------------------------------- batched bench (bench/batched.py)
+
+
+def batch_mismatch_lines(result: dict) -> list[str]:
+    return [f"GREEDY MISMATCH (BATCHED OUTPUT DIFFERS FROM PLAIN BATCH-1 DECODING): {m['method']} at batch size "
+            f"{m['batch_size']} on question {m['question_id']} ({m['category']}), turn {m['turn'] + 1}, first different "
+            f"token at {m['first_difference_at']}" for m in result.get("mismatches", [])]
+
+
+def batch_table(result: dict) -> str:
+    head = ["method", "B", "positions", "tok/s", "speedup", "latency p50 s", "latency p95 s", "ms/token p50",
+            "ms/token p95", "tau", "occupancy", "positions/step", "load", "= plain"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in result["entries"]:
+        s = e["summary"]
+        load = e.get("load_average") or [None, None]
+        rows.append("| " + " | ".join([
+            e["label"], str(e["batch_size"]), "-" if e["positions"] is None else str(e["positions"]),
+            _fmt(s["tokens_per_second"], ".1f"), _fmt(s.get("speedup")) + "x",
+            _fmt(s["latency_p50_s"]), _fmt(s["latency_p95_s"]),
+            _fmt(s["time_per_token_p50_s"] and s["time_per_token_p50_s"] * 1e3, ".0f"),
+            _fmt(s["time_per_token_p95_s"] and s["time_per_token_p95_s"] * 1e3, ".0f"),
+            _fmt(s["mean_accepted_length"]), _fmt(s["mean_occupancy"], ".1f"), _fmt(s["positions_per_step"], ".1f"),
+            "/".join(_fmt(x, ".1f") for x in load), f"{s['matches_plain']}/{s['questions']}",
+        ]) + " |")
+    return "\n".join(rows)
+
+
+def batch_markdown(result: dict) -> str:
+    cfg, env, ref = result["config"], result["environment"], result["reference"]
+    hw = env.get("gpu") or env.get("cpu")
+    out = [f"# verispec bench --batch-size: {cfg['model']} ({cfg['dtype']}, {cfg['device']})", "",
+           f"- prompts: {cfg['prompt_set'] or 'custom'} ({len(result['questions'])} questions, "
+           f"{len(ref['sequences'])} turns, {cfg['prompt_mode']} mode), greedy, max {cfg['max_new_tokens']} new tokens "
+           f"per turn, draft length {cfg['draft_length']}, continuous admission (all prompts queued at the start)",
+           f"- machine: {hw}, {env.get('torch_threads')} torch threads, {env.get('cpu_count')} CPUs; torch {env['torch']}, "
+           f"verispec {env.get('verispec')} ({env.get('git_commit')}), {env['time_utc']}",
+           f"- positions budget auto = {cfg['positions_resolved']} at B=1, chosen each step at the batch's size (batch.free_positions of the measured cost curve)"
+           if cfg.get("positions_resolved") else "- positions budget: none unless the row says",
+           f"- plain, unbatched (Engine.generate, one prompt at a time): {ref['tokens_per_second']:.1f} tok/s",
+           "- speedup: aggregate tokens/s over ar at B=1 in the same run; latency: admission (prefill included) "
+           "to last token; tau: tokens per target forward per sequence; occupancy: mean sequences per shared "
+           "forward; load: 1-minute load average before/after the row"]
+    if cfg.get("skipped_questions"):
+        out.append(f"- skipped {len(cfg['skipped_questions'])} questions too long for the context window")
+    mism = batch_mismatch_lines(result)
+    if mism:
+        out += ["", "## !!! GREEDY OUTPUT MISMATCHES !!!", ""] + [f"- **{m}**" for m in mism]
+    out += ["", "## By batch size", "", batch_table(result)]
+    return "\n".join(out) + "\n"
+
+
+def plot_batch(result: dict, path) -> Path:
+    """Aggregate tokens/s and p50 latency against the batch size, one line per contender."""
+    fig, (ax, ax2) = _plt().subplots(1, 2, figsize=(11, 4.2))
+    for label in dict.fromkeys(e["label"] for e in result["entries"]):
+        mine = [e for e in result["entries"] if e["label"] == label]
+        bs = [e["batch_size"] for e in mine]
+        ax.plot(bs, [e["summary"]["tokens_per_second"] for e in mine], marker="o", label=label)
+        ax2.plot(bs, [e["summary"]["latency_p50_s"] or 0.0 for e in mine], marker="o", label=label)
+    for a, y in ((ax, "aggregate tokens / s"), (ax2, "per-sequence latency p50 (s)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch size B")
+        a.set_ylabel(y)
+        a.legend(fontsize=8)
+    ax.set_title(f"{result['config']['model']} ({result['config']['dtype']}): continuous batching")
+    return _save(fig, Path(path))
+
+
+def write_batch_bench(result: dict, json_path, plots: bool = True) -> dict:
+    """Write the JSON (with the command line), the markdown table next to it (.md) and, with plots, <stem>_batch.png."""
+    json_path = Path(json_path)
+    files = write_json_and_markdown(result, json_path, batch_markdown(result))
+    if plots:
+        files["batch_png"] = plot_batch(result, Path(f"{json_path.with_suffix('')}_batch.png"))
+    return files
+
+
 # ---------------------------------------------------------------- roofline
 
 
@@ -246,11 +325,9 @@ def compare(paths: list[str | Path], out_dir: str | Path | None = None) -> tuple
          else roofs).append((Path(p), data))
     lines = ["# verispec results side by side", ""]
     if batches:
-        from verispec.bench.batched import mismatch_lines as batch_mismatches, table as batch_table
-
         for p, d in batches:
             lines += [f"## Batched: {_run_name(p, d)}", "", batch_table(d), ""]
-            lines += [f"**{p.name}: {m}**" for m in batch_mismatches(d)]
+            lines += [f"**{p.name}: {m}**" for m in batch_mismatch_lines(d)]
     if benches:
         lines += ["## Bench (overall)", "",
                   "| run | model | method | questions | tok/s | speedup | decode speedup | tau | alpha | = plain | mismatches |",

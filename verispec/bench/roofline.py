@@ -102,8 +102,8 @@ def measure(target, context: int = 200, ns: list[int] | None = None, repeats: in
         raise InvalidParameter(f"context {context} + N {ns[-1]} exceeds the model's {target.context_length} positions; "
                                "lower --context or --max-n")
     device = target.device
-    runner = make_runner(target.model, backend, exact=False, weights=getattr(target, "weights", "auto"),
-                         weight_source=getattr(target, "weight_source", None))
+    runner = make_runner(target.model, backend, exact=False, weights=target.weights,
+                         weight_source=target.weight_source)
     gen = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
     ctx_ids = torch.randint(0, vocab, (context,), generator=gen).tolist()

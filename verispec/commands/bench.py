@@ -212,16 +212,17 @@ def bench(
 
 
 def _bench_batched(target, specs, questions, draft_model, sizes, settings, *, model, output, plots, **kwargs):
-    from verispec.bench.batched import markdown, mismatch_lines, run_batch_bench, table, write_batch_bench
+    from verispec.bench.batched import run_batch_bench
+    from verispec.bench.report import batch_markdown, batch_mismatch_lines, batch_table, write_batch_bench
 
     result = run_batch_bench(target, specs, questions, batch_sizes=sizes, positions=settings, draft=draft_model, **kwargs)
     path = output or Path("results") / f"bench-batch-{_slug(model)}-{result['config']['dtype']}.json"
     files = write_batch_bench(result, path, plots=plots)
-    md = markdown(result)
+    md = batch_markdown(result)
     out.print(md[md.index("- plain, unbatched"):md.index("- speedup:")].strip(), markup=False)
-    out.print(table(result), markup=False)  # labels hold [..]
+    out.print(batch_table(result), markup=False)  # labels hold [..]
     out.print("wrote " + ", ".join(str(p) for p in files.values()))
-    for line in mismatch_lines(result):
+    for line in batch_mismatch_lines(result):
         err.print(escape(line), style="bold red")
     if result["mismatches"]:
         fail("a batched greedy output differs from plain batch-1 decoding (see above)", code=1)

@@ -79,8 +79,7 @@ def generate(
         plain_engine = build_engine(target, settings=SpeculationSettings(backend=settings.backend))
         for e in (engine, plain_engine):
             e.generate(ids, warm)
-            if callable(getattr(e.drafter, "forget", None)):
-                e.drafter.forget()  # the warm-up's answer is not for the suffix cache to draft from
+            e.forget()  # the warm-up's answer is not for the suffix cache to draft from
     for event in engine.stream(ids, params):
         if not quiet:
             out.print(event.text, end="", markup=False)

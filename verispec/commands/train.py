@@ -9,7 +9,7 @@ import typer
 
 from verispec.commands import friendly
 
-train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa, DFlash-style block drafter) for a target model.")
+train_app = typer.Typer(no_args_is_help=True, help="Train drafter heads (EAGLE-style, Medusa, DFlash) for a target model.")
 
 
 def _run(kind: str, **options) -> None:

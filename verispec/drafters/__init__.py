@@ -78,10 +78,10 @@ def _medusa(target, settings: SpeculationSettings):
 
 
 def _dflash(target, settings: SpeculationSettings):
-    """block drafter"""
-    from verispec.drafters.dflash import BlockDrafter
+    """DFlash block drafter"""
+    from verispec.drafters.dflash import DFlashDrafter
 
-    return BlockDrafter.for_target(target, settings.models.head)  # a trained drafter folder; None = the shipped one
+    return DFlashDrafter.for_target(target, settings.models.head)  # a trained drafter folder; None = the shipped one
 
 
 def _with_suffix(model: Callable) -> Callable:

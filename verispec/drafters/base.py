@@ -11,7 +11,8 @@ from verispec.types import Proposal, SamplingParams, StepResult
 
 class Drafter(Protocol):
     """What the engine calls. A drafter subclasses this explicitly, so the capabilities it does not
-    declare keep the defaults below (no trees, no target features); the engine never probes."""
+    declare keep the defaults below (no trees, no target features, no memory across generations); no
+    caller probes."""
 
     name: str
     can_tree: bool = False  # propose_tree works (the engine asks for trees only when a tree shape is set)
@@ -47,6 +48,10 @@ class Drafter(Protocol):
         """(feature_layers) The target's features [n, len(feature_layers) * hidden] at the n positions just
         committed to its cache, in order: the prompt's but the last, then each step's pending token and
         accepted path."""
+
+    def forget(self) -> None:
+        """Drop what it keeps across generations (suffix decoding's cache of earlier outputs), so that a
+        benchmark's warm-up answer is not drafted from; the default keeps nothing across generations."""
 
 
 class DraftLengthSchedule:

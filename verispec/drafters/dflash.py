@@ -1,4 +1,4 @@
-"""Block drafter (DFlash-style): a few transformer layers that propose a whole block in ONE forward.
+"""The DFlash drafter: a few transformer layers that propose a whole block in ONE forward.
 
 After DFlash (Chen, Liang, Liu 2026, "DFlash: Block Diffusion for Flash Speculative Decoding",
 arXiv 2602.06036). The target's hidden states from a low, a middle and a high layer (the layers the
@@ -19,7 +19,7 @@ rows would cost more per block than the drafter's layers.
 
 Verification: a chain is each position's argmax (greedy) or a draw from each position's q (sampling;
 q goes with the proposal), and a tree takes each position's top-k tokens as the children of every node
-at that depth (drafters/medusa.PositionDrafting, shared with Medusa); the project's acceptance rules
+at that depth (drafters/head_parts.PositionDrafting, shared with Medusa); the project's acceptance rules
 apply unchanged, so the output is the target's exactly.
 """
 
@@ -32,14 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import (DecoderLayer, FeatureQueue, PackedLinears, RMSNorm, default_feature_layers,
-                                          load_module, rotary, rotate)
-from verispec.drafters.medusa import PositionDrafting
+from verispec.drafters.head_parts import (DecoderLayer, FeatureQueue, PackedLinears, PositionDrafting, RMSNorm,
+                                          default_feature_layers, load_module, rotary, rotate)
 from verispec.fast import native, quant
 from verispec.types import SamplingParams, StepResult
 
 
-class BlockDrafterModel(PackedLinears, nn.Module):
+class DFlashModel(PackedLinears, nn.Module):
     """The trainable drafter. `config` is its config.json (see heads/__init__.py)."""
 
     def __init__(self, config: dict):
@@ -88,7 +87,7 @@ class BlockDrafterModel(PackedLinears, nn.Module):
     def attach_embedding(self, weight: torch.Tensor) -> None:
         self.embed = weight.detach()
 
-    # ---- the pieces shared by inference (BlockDrafter) and training (train/loops.py)
+    # ---- the pieces shared by inference (DFlashDrafter) and training (train/loops.py)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., T, len(layers) * H] -> fused context features c [..., T, H]."""
@@ -140,18 +139,18 @@ class BlockDrafterModel(PackedLinears, nn.Module):
         return self.lin("lm_head", self.norm(x)).float()
 
 
-def load_block_drafter(target, head: str | Path | None = None, device=None) -> BlockDrafterModel:
-    """The block drafter at `head` (default: the one shipped for the target), checked against the target."""
-    return load_module(target, "dflash", BlockDrafterModel, head, device)
+def load_dflash_model(target, head: str | Path | None = None, device=None) -> DFlashModel:
+    """The DFlash drafter at `head` (default: the one shipped for the target), checked against the target."""
+    return load_module(target, "dflash", DFlashModel, head, device)
 
 
-class BlockDrafter(FeatureQueue, PositionDrafting):
+class DFlashDrafter(FeatureQueue, PositionDrafting):
     """The drafter: a cache of the context keys/values per layer for the committed positions, and one
     block forward per proposal."""
 
     name = "dflash"
 
-    def __init__(self, model: BlockDrafterModel, target_vocab_size: int, weights_dtype: torch.dtype | None = None,
+    def __init__(self, model: DFlashModel, target_vocab_size: int, weights_dtype: torch.dtype | None = None,
                  quantized: bool = False):
         """weights_dtype, quantized: as EagleDrafter's (PackedLinears.pack_for_inference)."""
         self.model = model.eval()
@@ -167,8 +166,8 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
         self.reset()
 
     @classmethod
-    def for_target(cls, target, head: str | Path | None = None) -> "BlockDrafter":
-        return cls(load_block_drafter(target, head), target.vocab_size, weights_dtype=target.dtype,
+    def for_target(cls, target, head: str | Path | None = None) -> "DFlashDrafter":
+        return cls(load_dflash_model(target, head), target.vocab_size, weights_dtype=target.dtype,
                    quantized=quant.target_format(target) != "bf16")
 
     @property
@@ -239,7 +238,7 @@ class BlockDrafter(FeatureQueue, PositionDrafting):
         return m.blocks(x, pos, ctx, None)[0, 1:]
 
 
-def block_logits_for_anchors(model: BlockDrafterModel, tok: torch.Tensor, feats: torch.Tensor,
+def block_logits_for_anchors(model: DFlashModel, tok: torch.Tensor, feats: torch.Tensor,
                              anchors: torch.Tensor) -> torch.Tensor:
     """The training (and teacher-forced evaluation) forward: tok [b, S], feats [b, S, F] (the model's
     feature columns), anchors [b, Q] (EAGLE's numbering: at anchor t the committed prefix is 0..t and

@@ -39,6 +39,7 @@ class DraftModelDrafter(Drafter):
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
         self._tree = None  # the last proposed tree, until observe() compacts the cache
+        self._chain_base: int | None = None  # the committed context of the last proposed chain, until observe()
 
     def begin(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         self.runner.reset()
@@ -133,7 +134,7 @@ class DraftModelDrafter(Drafter):
         t, self._tree = self._tree, None
         if t is None or not t["keep"]:
             # chains: drop the rejected drafts' entries now, so the cache holds committed tokens only
-            base = getattr(self, "_chain_base", None)
+            base = self._chain_base
             if base is not None and len(self.cached) > base:
                 keep = base + result.num_accepted
                 self.runner.rollback(min(keep, self.runner.length))

@@ -1,11 +1,13 @@
 """The parts the drafters on the target's hidden features share (the EAGLE head, the Medusa heads, the
-block drafter): their layers, which target layers they read, the queue of features the engine hands
-over, packed weight copies, loading, and the draft-vocabulary side of choosing tokens (a chain's, and
-tree children's for the tree builder, tree.build).
+DFlash drafter): their layers, which target layers they read, the queue of features the engine hands
+over, packed weight copies, loading, the draft-vocabulary side of choosing tokens (a chain's, and
+tree children's for the tree builder, tree.build), and the drafting of heads whose every position has
+one distribution (PositionDrafting: Medusa, DFlash).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,7 +18,8 @@ from verispec.drafters.base import Drafter
 from verispec.errors import HeadMismatch
 from verispec.fast import norm, rope
 from verispec.sampling import logits_to_probs, sample
-from verispec.types import SamplingParams
+from verispec.tree import Candidate, DynamicTree, StaticTree, build_tree, to_proposal
+from verispec.types import Proposal, SamplingParams
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +41,7 @@ class RMSNorm(nn.Module):
 class DecoderLayer(nn.Module):
     """The parameters of a pre-norm Llama decoder layer (norms, attention projections, gated MLP); the
     module that holds it applies them (through its packed copies when drafting): the EAGLE head's layers
-    after its first, the block drafter's layers."""
+    after its first, the DFlash drafter's layers."""
 
     def __init__(self, H: int, n_heads: int, n_kv: int, head_dim: int, inter: int, eps: float = 1e-5):
         super().__init__()
@@ -151,7 +154,7 @@ class PackedLinears:
 
 def load_module(target, kind: str, cls, head: str | Path | None = None, device=None, embed: bool = True):
     """The `kind` module at `head` (default: the one shipped for the target), checked against the target,
-    in float32, with the target's embedding table attached when `embed` (EAGLE head, block drafter)."""
+    in float32, with the target's embedding table attached when `embed` (EAGLE head, DFlash drafter)."""
     from verispec.heads import read_head, resolve_head
 
     path = resolve_head(target, kind, head)
@@ -167,7 +170,7 @@ def load_module(target, kind: str, cls, head: str | Path | None = None, device=N
 
 
 class HeadDrafting(Drafter):
-    """What the EAGLE, Medusa and block drafters share: the draft vocabulary map, choosing a chain token,
+    """What the EAGLE, Medusa and DFlash drafters share: the draft vocabulary map, choosing a chain token,
     and scoring tree children (tree.build.Scorer)."""
 
     can_tree = True
@@ -198,9 +201,53 @@ class HeadDrafting(Drafter):
         return lg.float().softmax(-1)
 
 
+class PositionDrafting(HeadDrafting):
+    """Drafters whose every draft position has one distribution, whatever was drafted before it (Medusa's
+    heads, the DFlash drafter's MASK slots): `block_logits(context)` -> logits [K, Vd] of positions
+    1..K after the pending token, or None. A chain takes each position's argmax or a draw from its q;
+    a tree takes each position's top tokens as the children of every node at that depth."""
+
+    def block_logits(self, context: list[int]) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int) -> Proposal | None:
+        lg = self.block_logits(context)
+        if lg is None or k < 1:
+            return None
+        tokens, probs = [], []
+        for d in range(min(k, lg.shape[0])):
+            x, q = self.choose(lg[d])
+            tokens.append(x)
+            probs.append(q)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long),
+                        draft_probs=None if self.params.greedy else torch.stack(probs))
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], shape) -> Proposal | None:
+        lg = self.block_logits(context)
+        if lg is None:
+            return None
+        K = lg.shape[0]
+        if isinstance(shape, StaticTree) and shape.depth > K:
+            shape = shape.truncated(K)
+        elif isinstance(shape, DynamicTree) and shape.depth > K:
+            shape = replace(shape, depth=K)
+        self._block = lg
+        cands, keep = build_tree(self, shape, not self.params.greedy, self.generator)
+        return to_proposal(cands, keep, vocab=self.vocab) if keep else None
+
+    def feed(self, cands: list[Candidate], nodes: list[int]) -> None:
+        pass  # a position's distribution does not depend on the drafted prefix
+
+    def child_logits(self, cands: list[Candidate], nodes: list[int]) -> torch.Tensor:
+        depth = cands[nodes[0]].depth if nodes[0] >= 0 else 0
+        return self._block[depth].expand(len(nodes), -1)
+
+
 class FeatureQueue:
     """Target features handed over by the engine (observe_features) and not yet turned into the drafter's
-    cache entries; the EAGLE and block drafters share it."""
+    cache entries; the EAGLE and DFlash drafters share it."""
 
     device: torch.device
     params: SamplingParams

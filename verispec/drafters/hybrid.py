@@ -69,5 +69,6 @@ class HybridDrafter(Drafter):
         self.model.observe(result)
 
     def forget(self) -> None:
-        """Drop the suffix cache's cross-request memory (as SuffixDrafter.forget)."""
+        """Drop the suffix cache's cross-request memory (as SuffixDrafter.forget), and the model's."""
         self.suffix.forget()
+        self.model.forget()

@@ -17,17 +17,15 @@ argmax (greedy) or draws from q_1..q_k with q going with the proposal (speculati
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.drafters.head_parts import HeadDrafting, PackedLinears, load_module
+from verispec.drafters.head_parts import PackedLinears, PositionDrafting, load_module
 from verispec.fast import quant
-from verispec.tree import Candidate, DynamicTree, StaticTree, build_tree, to_proposal
-from verispec.types import Proposal, SamplingParams, StepResult
+from verispec.types import SamplingParams, StepResult
 
 
 class MedusaHeads(PackedLinears, nn.Module):
@@ -69,50 +67,6 @@ class MedusaHeads(PackedLinears, nn.Module):
 
 def load_medusa_heads(target, head: str | Path | None = None, device=None) -> MedusaHeads:
     return load_module(target, "medusa", MedusaHeads, head, device, embed=False)
-
-
-class PositionDrafting(HeadDrafting):
-    """Drafters whose every draft position has one distribution, whatever was drafted before it (Medusa's
-    heads, the block drafter's MASK slots): `block_logits(context)` -> logits [K, Vd] of positions
-    1..K after the pending token, or None. A chain takes each position's argmax or a draw from its q;
-    a tree takes each position's top tokens as the children of every node at that depth."""
-
-    def block_logits(self, context: list[int]) -> torch.Tensor | None:
-        raise NotImplementedError
-
-    @torch.inference_mode()
-    def propose(self, context: list[int], k: int) -> Proposal | None:
-        lg = self.block_logits(context)
-        if lg is None or k < 1:
-            return None
-        tokens, probs = [], []
-        for d in range(min(k, lg.shape[0])):
-            x, q = self.choose(lg[d])
-            tokens.append(x)
-            probs.append(q)
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long),
-                        draft_probs=None if self.params.greedy else torch.stack(probs))
-
-    @torch.inference_mode()
-    def propose_tree(self, context: list[int], shape) -> Proposal | None:
-        lg = self.block_logits(context)
-        if lg is None:
-            return None
-        K = lg.shape[0]
-        if isinstance(shape, StaticTree) and shape.depth > K:
-            shape = shape.truncated(K)
-        elif isinstance(shape, DynamicTree) and shape.depth > K:
-            shape = replace(shape, depth=K)
-        self._block = lg
-        cands, keep = build_tree(self, shape, not self.params.greedy, self.generator)
-        return to_proposal(cands, keep, vocab=self.vocab) if keep else None
-
-    def feed(self, cands: list[Candidate], nodes: list[int]) -> None:
-        pass  # a position's distribution does not depend on the drafted prefix
-
-    def child_logits(self, cands: list[Candidate], nodes: list[int]) -> torch.Tensor:
-        depth = cands[nodes[0]].depth if nodes[0] >= 0 else 0
-        return self._block[depth].expand(len(nodes), -1)
 
 
 class MedusaDrafter(PositionDrafting):

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +94,7 @@ class LoadedModel:
                 raise InvalidPrompt("the chat message is empty; give some text")
             if getattr(self.tokenizer, "chat_template", None):
                 ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                if hasattr(ids, "keys"):
+                if isinstance(ids, Mapping):  # a BatchEncoding (newer transformers), else a list
                     ids = ids["input_ids"]
                 ids = list(ids)
             else:

@@ -64,12 +64,11 @@ class RunnerPool:
         return engine, key
 
     def release(self, engine, key: tuple) -> None:
-        runner = getattr(engine, "runner", None)
-        cost = getattr(engine, "verify_cost", None)
+        runner, cost = engine.runner, engine.verify_cost
         with self._lock:
             if cost:
                 self._verify_cost[key] = cost
-            if runner is not None and all(r is not runner for _, r in self._idle):
+            if all(r is not runner for _, r in self._idle):
                 self._idle.append((key, runner))
                 del self._idle[: max(0, len(self._idle) - self.keep)]
 

@@ -87,7 +87,7 @@ def teacher_forced(target, kind: str, module, sequences: list[tuple[list[int], l
 def top1_by_step(target, kind: str, module, sequences: list[tuple[list[int], list[int]]], steps: int = 6) -> list[list[int]]:
     """sequences: (prompt ids, the target's greedy continuation) -> per draft step [agreements, anchors]:
     step j at anchor t is right when the head's argmax is the continuation's token at t + j + 1."""
-    depth = {"eagle": steps, "medusa": getattr(module, "num_heads", 0), "dflash": getattr(module, "block_size", 1) - 1}[kind]
+    depth = steps if kind == "eagle" else module.num_heads if kind == "medusa" else module.block_size - 1
     counts = [[0, 0] for _ in range(depth)]
     for tok, _, anchors, logits in teacher_forced(target, kind, module, sequences, steps):
         n = tok.numel()
@@ -120,8 +120,8 @@ def eval_sets(target, heldout_records: list[dict] | None, per_task: int, bench_p
 def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], max_new_tokens: int = 64,
                   draft_length: int = 5, tree_budget: int = 16, steps: int = 6, log=print) -> dict:
     """The head's figures per task and over all tasks (see the module docstring). `module` is a trained
-    EagleHead, MedusaHeads or BlockDrafterModel on the target's device; it is used as the drafter uses it."""
-    from verispec.drafters.dflash import BlockDrafter
+    EagleHead, MedusaHeads or DFlashModel on the target's device; it is used as the drafter uses it."""
+    from verispec.drafters.dflash import DFlashDrafter
     from verispec.drafters.eagle import EagleDrafter
     from verispec.drafters.medusa import MedusaDrafter
     from verispec.tree import DynamicTree, StaticTree
@@ -132,7 +132,7 @@ def evaluate_head(target, kind: str, module, sets: dict[str, list[list[int]]], m
         tree = DynamicTree(budget=tree_budget, depth=steps)
     elif kind == "dflash":
         module.attach_embedding(target.model.get_input_embeddings().weight)
-        make = lambda: BlockDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
+        make = lambda: DFlashDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731
         tree = DynamicTree(budget=tree_budget, depth=module.block_size - 1)
     else:
         make = lambda: MedusaDrafter(module, target.vocab_size, weights_dtype=target.dtype)  # noqa: E731

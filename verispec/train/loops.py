@@ -1,4 +1,4 @@
-"""Training loops for the EAGLE head, the Medusa heads and the block drafter, on features from extract.py.
+"""Training loops for the EAGLE head, the Medusa heads and the DFlash drafter, on features from extract.py.
 
 Loss: cross-entropy of the head's distribution against the target's next-token distribution (its top-k,
 renormalised over the tokens of the draft vocabulary), i.e. KL to the target up to a constant. No
@@ -14,7 +14,7 @@ Step j's loss has weight 0.8^(j-1) and its label is the target's distribution at
 Medusa: head k (0-based) reads the target's final normed state at t and learns the distribution at
 position t + k + 1; losses weighted 0.8^k.
 
-Block drafter (DFlash-style, drafters/dflash.py): random anchors inside the answers; at anchor t the
+DFlash drafter (drafters/dflash.py): random anchors inside the answers; at anchor t the
 block [x_{t+1}, MASK...] sees the context entries of positions 0..t and slot i learns the target's
 distribution at position t + i; slot i's loss has weight exp(-(i-1)/gamma) (dflash.position_weights).
 

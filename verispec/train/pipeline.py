@@ -109,12 +109,12 @@ def _check(cfg: TrainConfig) -> None:
         raise InvalidParameter(f"head-intermediate sets the EAGLE head's MLP width; a {cfg.kind} head does not take it")
     if cfg.head_layers != 1 and cfg.kind != "eagle":
         raise InvalidParameter(f"head-layers sets the EAGLE head's depth; a {cfg.kind} head does not take it "
-                               "(the block drafter's is dflash-layers)")
+                               "(the DFlash drafter's is dflash-layers)")
     if cfg.head_layers < 1:
         raise InvalidParameter(f"head-layers must be >= 1, got {cfg.head_layers}")
     if cfg.feature_layers is not None:
         if cfg.kind == "medusa":
-            raise InvalidParameter("feature-layers sets what an EAGLE head or block drafter reads; Medusa heads read "
+            raise InvalidParameter("feature-layers sets what an EAGLE head or DFlash drafter reads; Medusa heads read "
                                    "the final hidden state")
         parse_layers(cfg.feature_layers)
     if cfg.head_intermediate is not None and cfg.head_intermediate < 1:
@@ -143,7 +143,7 @@ def _check(cfg: TrainConfig) -> None:
 
 def run(cfg: TrainConfig, log=print) -> dict:
     """Run (or resume) every stage; returns the exported head's config."""
-    from verispec.drafters.dflash import BlockDrafterModel
+    from verispec.drafters.dflash import DFlashModel
     from verispec.drafters.eagle import EagleHead, default_feature_layers
     from verispec.drafters.medusa import MedusaDrafter, MedusaHeads
     from verispec.heads import save_head
@@ -224,7 +224,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
         module = (EagleHead(EagleHead.make_config(target, d2t.numel(), feature_layers, layout=cfg.layout,
                                                         intermediate_size=cfg.head_intermediate,
                                                         num_layers=cfg.head_layers)) if cfg.kind == "eagle" else
-                  BlockDrafterModel(BlockDrafterModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers,
+                  DFlashModel(DFlashModel.make_config(target, d2t.numel(), cfg.block_size, cfg.dflash_layers,
                                                                   feature_layers)))
         module.d2t.copy_(d2t)
         with torch.no_grad():  # start from the target's own LM head rows and final norm, which the head mimics

@@ -2,7 +2,8 @@
 accepted tokens per second, from a measured cost curve (seconds per forward over N positions:
 `measure_verify_cost` here, `verispec roofline` more carefully; theory.CostCurve reads it), an
 acceptance-by-rank profile, which `RankAcceptance` keeps up to date from the steps of a generation, and
-what a step costs beyond its forward, which `StepCosts` measures on whole steps.
+what a step costs beyond its forward, which `StepCosts` measures on whole steps. `AutoBudget` is the
+engine's one object for all of it: `choose` the budget of a step, `observe` what the step cost.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from verispec.theory import CostCurve
-from verispec.tree.layout import count_ranks
+from verispec.tree.layout import TreeLayout, count_ranks
 from verispec.tree.shapes import DEFAULT_RANK_ACCEPTANCE, expected_accepted, optimal_paths
 
 
@@ -78,7 +79,7 @@ class StepCosts:
     A running mean below 0 says the cost curve overstates this machine's forwards now; the curve plus it is
     still the measured step.
 
-    Only steady steps count (Engine.observe_step decides): not a generation's first step, and not a drafted
+    Only steady steps count (AutoBudget.observe decides): not a generation's first step, and not a drafted
     step that follows a plain one, which also catches the drafter up with every position since it last
     drafted, a cost of switching that a run of drafted steps does not pay at each step."""
 
@@ -171,3 +172,89 @@ def _shrunk(accepted: Sequence[float], offered: Sequence[float], prior: Sequence
         acc = accepted[r] if r < len(accepted) else 0.0
         out.append((acc + p * weight) / (off + weight))
     return out
+
+
+# the auto budget's choices: a plain step (0: not drafting is expected to pay more) or a tree of so many nodes
+AUTO_BUDGETS = (0, 1, 3, 7, 15, 31, 63)
+EXPLORE, EXPLORE_MAX = 8, 64  # steps of one kind (plain or drafted) in a row after which the auto budget tries
+#                               the other (to keep measuring the acceptance and both kinds' costs), doubling
+#                               while the other keeps not paying
+EXPLORE_RUN = 2  # drafted steps in a row when it tries drafting: the first catches a feature drafter up with
+#                  the plain steps' positions, the second is a steady step whose cost StepCosts can count
+
+
+class AutoBudget:
+    """The auto tree budget (a dynamic tree without a fixed node count): each step `choose` gives the nodes
+    to draft (0: a plain step), `observe` learns what the step cost, `observe_acceptance` which sibling
+    ranks its tree had accepted.
+
+    It prices every budget in AUTO_BUDGETS with choose_budget: `verify_cost` (positions -> seconds of a
+    forward; None until measured or given: the engine measures it before a generation's prefill), the
+    acceptance by rank (RankAcceptance, learned across generations, each generation with its own counts)
+    and what a step costs beyond its forward (StepCosts). Since a kind of step not taken teaches nothing
+    (a plain step no acceptance, either kind its own cost), after EXPLORE steps of one kind in a row it
+    takes the other: a run of EXPLORE_RUN one-node steps, or one plain step; then after twice as many (up
+    to EXPLORE_MAX) while its choice stays."""
+
+    def __init__(self, verify_cost: dict[int, float] | None = None):
+        self.verify_cost = verify_cost  # what it prices forwards with; set another to price with it
+        self.rank_acceptance = RankAcceptance()
+        self.step_costs = StepCosts()
+        self.chosen: int | None = None  # the budget of the step in progress (None: none chosen)
+        self._curve: tuple[int, CostCurve] | None = None  # verify_cost as a CostCurve (keyed by its id)
+        self._last: int | None = None  # the budget of the step before it in this generation
+        self._drafting = False  # the kind of step chosen last (True: a tree)
+        self._streak = 0  # steps of that kind in a row
+        self._explore = EXPLORE  # ... after which it tries the other kind
+        self._forced = 0  # drafted steps of such a try still to come
+
+    def new_generation(self) -> None:
+        """A generation begins: no step of it before the next (the step costs stay, the acceptance estimate
+        starts this generation's own counts, and the other kind of step comes after EXPLORE steps again, so
+        that those counts come soon)."""
+        self.chosen = self._last = None
+        self.rank_acceptance.new_generation()
+        self._streak, self._explore = 0, EXPLORE
+
+    def choose(self, max_depth: int) -> int:
+        """The nodes to draft this step (0: a plain step) for trees at most `max_depth` deep."""
+        if self._forced:
+            budget, self._forced = 1, self._forced - 1
+        else:
+            costs = self.step_costs
+            budget = choose_budget(self.rank_acceptance.profile(), self.cost_curve(), AUTO_BUDGETS,
+                                   draft_cost=costs.drafting, max_depth=max_depth, plain_cost=costs.plain()).budget
+            if (budget > 0) != self._drafting:
+                self._drafting, self._streak, self._explore = budget > 0, 0, EXPLORE
+            self._streak += 1
+            if self._streak >= self._explore:
+                self._streak, self._explore = 0, min(2 * self._explore, EXPLORE_MAX)
+                budget, self._forced = (0, 0) if self._drafting else (1, EXPLORE_RUN - 1)
+        self.chosen = budget
+        return budget
+
+    def observe_acceptance(self, layout: TreeLayout, accepted_nodes: Sequence[int]) -> None:
+        """A drafted step's verdict: the sibling ranks offered along the accepted path, and the one taken."""
+        for offered, rank in layout.walk_ranks(accepted_nodes):
+            self.rank_acceptance.observe(offered, rank)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        """A single sequence's whole step took `seconds` and verified `positions`: what it cost beyond its
+        forward on the cost curve goes to StepCosts under the budget chosen for it, for steady steps only:
+        not a generation's first, nor a drafted step right after a plain one (StepCosts says why). A batch's
+        steps are not observed: their forward is shared, and the batch's share of positions bounds each
+        sequence's tree. A step with no budget chosen (a fixed tree, a free proposal) teaches nothing and
+        makes the next step a first one."""
+        budget, self.chosen = self.chosen, None
+        if budget is not None and self._last is not None and (budget == 0 or self._last > 0):
+            # may be below 0 (a curve measured while the machine was busier, or given for another one): the
+            # curve plus it is then still the step's measured time
+            self.step_costs.observe(budget, seconds - self.cost_curve().seconds(positions))
+        self._last = budget
+
+    def cost_curve(self) -> CostCurve:
+        """verify_cost as a CostCurve, built once per cost dict."""
+        if self._curve is None or self._curve[0] != id(self.verify_cost):
+            cost = self.verify_cost
+            self._curve = (id(cost), CostCurve(list(cost), list(cost.values())))
+        return self._curve[1]

@@ -1,5 +1,5 @@
 """Building a draft tree: one loop for every drafter that drafts from logits (draft model, EAGLE,
-Medusa, the block drafter), each scoring the nodes with its own model through a `Scorer`.
+Medusa, the DFlash drafter), each scoring the nodes with its own model through a `Scorer`.
 
   static shape   level by level, each node of the shape gets its ranked children: the top-m tokens as
                  point masses when greedy; when sampling, m draws without replacement from q (row i = q
