@@ -322,7 +322,7 @@ at::Tensor eagle_run(const at::Tensor& ids, const at::Tensor& g, const at::Tenso
   return x;
 }
 
-// ---- drafters/dflash.py: BlockDrafterModel.blocks at inference (no mask) as one call
+// ---- drafters/dflash.py: DFlashModel.blocks at inference (no mask) as one call
 // x [b, R, H] block rows at positions pos [b, R]; ctx_k, ctx_v per layer [b, nkv, S, hd]; norms: per layer ln1, ln2,
 // then the final norm; linears: per layer its qkv group, o, its gate/up group, down (lin_at: the first of each
 // layer), then lm_head -> logits [b, R, Vd] in float32

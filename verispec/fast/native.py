@@ -17,7 +17,7 @@ What it covers: the Llama-family step (no q/k norms, no sandwich norms, silu MLP
 are packed oneDNN weights, int4 / int8 weight-only ones (PyTorch's or qmm.py's) or plain ones
 (F.linear), or packed.py's bf16 hybrid of AVX2 CPUs (F.linear at one row, the widened float32 copy at more);
 anything else (Gemma 3, Qwen3) runs core.layer_step. The trained drafters' layers run the same way
-(`eagle_run`: EagleDrafter._run; `dflash_blocks`: BlockDrafterModel.blocks at inference), their Python
+(`eagle_run`: EagleDrafter._run; `dflash_blocks`: DFlashModel.blocks at inference), their Python
 code the reference (tests/test_heads.py, tests/test_dflash.py check the bits). Built on first use by
 ops.py's loader (a C++ compiler is needed; `python -m verispec.fast.build`, which setup.sh runs, builds it
 ahead); where the build fails
