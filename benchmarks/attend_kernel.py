@@ -2,7 +2,7 @@
 under a renamed operator, both are checked bit for bit on a sweep of shapes (head dims, head groupings, rows,
 lengths, orders, masked columns), then timed interleaved at decode and verification shapes (us per call).
 
-    python benchmarks/attend_kernel.py --against 831fae5 --threads 1 --json results/cpu/attend_kernel_full_chunks_avx2_zen3.json
+    python benchmarks/attend_kernel.py --against 831fae5 --threads 1 --json results/zen3/kernels/attend_kernel_full_chunks_avx2_zen3.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ curve it measured, the steps' measured costs beyond their forward (StepCosts, pe
 the acceptance-by-rank profile it learned and how often it chose each budget, after a few chat prompts.
 
     python benchmarks/budget_prices.py --methods eagle dflash --prompts 3 --tokens 128 --threads 1 \
-        --json results/cpu/budget_prices_avx2_zen3.json
+        --json results/zen3/bench/budget_prices_avx2_zen3.json
 
 The chat prompts are the first turns of MT-Bench questions (every 10th), so it runs on prompts that no
 head trained on.

@@ -3,7 +3,7 @@ acceptance, the output's rules) and the text tracker's detokenization, with the 
 decoding (output._TextTracker) and with decoding every id at every step, alternated in one process.
 
     python benchmarks/engine_overhead.py --tokens 1024 --rounds 4 --threads 1 \
-        --json results/cpu/engine_overhead_detok_avx2_zen3.json
+        --json results/zen3/kernels/engine_overhead_detok_avx2_zen3.json
 """
 
 from __future__ import annotations

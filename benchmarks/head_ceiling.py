@@ -14,7 +14,7 @@ uncertainty misses where p is low, and the bins' shares then bound what any chea
 can reach for greedy decoding.
 
     python benchmarks/head_ceiling.py --kind eagle --work .verispec-train/v8 --per-source 40 --bench 4 \
-        --threads 1 --json results/cpu/eagle-ceiling-shipped-zen4.json
+        --threads 1 --json results/zen4/heads/eagle-ceiling-shipped-zen4.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ prompt in a rotating order, each with a suffix cache of its own kept across the 
 prompts (prefill included), mean accepted length, and a check that every output equals plain decoding's.
 
     python benchmarks/hybrid_threshold.py --work .verispec-train/v8 --per-source 10 --threads 2 \
-        --json results/cpu/hybrid_threshold_heldout_2threads_zen4.json
+        --json results/zen4/heads/hybrid_threshold_heldout_2threads_zen4.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ ones say more data pays. Every point resumes; points already in --json with the 
 
     gunzip -c train-data/smollm2-135m/answers.jsonl.gz > .verispec-train/lc/answers.jsonl
     .venv/bin/python benchmarks/learning_curve.py --work .verispec-train/lc --prompts 3199 --layout eagle3 \\
-        --points 30000 60000 120000 240000 --steps 200 --threads 1 --reference --json results/cpu/eagle-learning-curve.json
+        --points 30000 60000 120000 240000 --steps 200 --threads 1 --reference --json results/zen3/training/eagle-learning-curve.json
 """
 
 from __future__ import annotations

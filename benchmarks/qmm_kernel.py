@@ -5,7 +5,7 @@ rows (us per call, median of rounds). A shape timed call after call stays in the
 times one pass over a whole forward's weights (SmolLM2-135M's 30 layers of 4-bit projections and its 8-bit
 LM head, ~95 MB, so every weight comes from memory as in a real forward), rounds alternating the order.
 
-    python benchmarks/qmm_kernel.py --against d4883a3 --threads 1 --json results/cpu/qmm_kernel_16ch_avx2_zen3.json
+    python benchmarks/qmm_kernel.py --against d4883a3 --threads 1 --json results/zen3/kernels/qmm_kernel_16ch_avx2_zen3.json
     python benchmarks/qmm_kernel.py --against e0ef810 --threads 1 --shapes --stream --rows 1 2 4 8
 """
 

@@ -2,7 +2,7 @@
 dequantization (what transformers loads): q4 (the file's Q4_0/Q4_1 blocks on the int4 kernel), q8 (int8
 per channel), and the dense bf16 copy for comparison; the LM head (Q8_0 in SmolLM2's file) as int8.
 
-    .venv/bin/python benchmarks/quant_error.py --model smollm2-135m --json results/cpu/quant_error_smollm2-135m.json
+    .venv/bin/python benchmarks/quant_error.py --model smollm2-135m --json results/xeon/kernels/quant_error_smollm2-135m.json
 """
 
 from __future__ import annotations

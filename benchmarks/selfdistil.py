@@ -9,7 +9,7 @@ the batch), "engine" data.engine_answers (verispec's batched fast path; an ended
 next prompt). Each answer is checked to be a prefix of the same prompt's answer in the first setting.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/selfdistil.py measure --prompts 32 --threads 1 \\
-        --settings 0:32:generate 16:32:generate 16:32:compact --json results/cpu/selfdistil-loopstop.json
+        --settings 0:32:generate 16:32:generate 16:32:compact --json results/xeon/training/selfdistil-loopstop.json
 
 `grow`: append answers to new prompts of the training mix (data.training_prompts, the first --pool of
 them; prompts already in the file are skipped) until --minutes are spent (no batch starts after that).

@@ -15,7 +15,7 @@ Prompts: the first turns of a shipped prompt set (MT-Bench by default). The mach
 recorded around each phase: on shared cores the figures move with it.
 
     python benchmarks/server_batch_load.py --model smollm2-135m --dtype bfloat16 --threads 1 \\
-        --baseline-checkout /path/to/checkout-before-batching --json results/cpu/server-batch-load.json
+        --baseline-checkout /path/to/checkout-before-batching --json results/xeon/server/server-batch-load.json
 """
 
 from __future__ import annotations
