@@ -221,7 +221,7 @@ def target_format(target) -> str:
 # kernels dequantize every weight again for each small block of rows (results/xeon/kernels/fast_decode_weights_amx_1thread.json:
 # q4 below bf16 at 4 positions, even at 8; q8 below at 4, above at 8); qmm.py's grow more slowly (its
 # integer dot products at ~1 per cycle; results/xeon/kernels/native_step_qmm_amx_1thread.json: q4 below bf16 at 8,
-# above at 16; q8 about even at 8). benchmarks/wide_rows.py measures the crossover directly. Only passes
+# above at 16; q8 about even at 8). b8521ea:benchmarks/wide_rows.py measures the crossover directly. Only passes
 # whose rows may round otherwise than plain decoding's run it: prefill, and every pass outside exact mode
 # (decoder.py).
 WIDE_ROWS = {"q8": 6, "q4": 8}
@@ -238,7 +238,7 @@ def wide_rows(fmt: str) -> int | None:
 
 
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
-# (results/cpu/fast_decode_weights_*.json): on qmm.py's kernel q4 decodes ~2.8x faster than the dense bf16
+# (results/*/kernels/fast_decode_weights_*.json): on qmm.py's kernel q4 decodes ~2.8x faster than the dense bf16
 # weights and its 8-position verification still costs less than bf16's, so the file's own 4-bit weights are
 # the default there (on AVX2 CPUs too, where bf16 has no instructions of its own and q4 decodes ~5x faster:
 # results/zen3/kernels/native_step_qmm_avx2_zen3_1thread.json); PyTorch's int4 / int8 kernels cost time per row

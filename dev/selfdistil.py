@@ -8,14 +8,14 @@ generate (a batch runs until all its rows ended), "compact" data.greedy_compacti
 the batch), "engine" data.engine_answers (verispec's batched fast path; an ended row's place goes to the
 next prompt). Each answer is checked to be a prefix of the same prompt's answer in the first setting.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/selfdistil.py measure --prompts 32 --threads 1 \\
+    OMP_NUM_THREADS=1 .venv/bin/python -m dev.selfdistil measure --prompts 32 --threads 1 \\
         --settings 0:32:generate 16:32:generate 16:32:compact --json results/xeon/training/selfdistil-loopstop.json
 
 `grow`: append answers to new prompts of the training mix (data.training_prompts, the first --pool of
 them; prompts already in the file are skipped) until --minutes are spent (no batch starts after that).
 
     gunzip -c train-data/smollm2-135m/answers.jsonl.gz > work/answers.jsonl
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/selfdistil.py grow --answers work/answers.jsonl \\
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m dev.selfdistil grow --answers work/answers.jsonl \\
         --pool 4000 --minutes 60 --threads 1
 """
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import command_line, options, parse, write_json
+from verispec.bench.script import command_line, options, parse, write_json
 
 
 def _committed_ids(path: Path) -> set[str]:

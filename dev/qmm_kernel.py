@@ -5,8 +5,8 @@ rows (us per call, median of rounds). A shape timed call after call stays in the
 times one pass over a whole forward's weights (SmolLM2-135M's 30 layers of 4-bit projections and its 8-bit
 LM head, ~95 MB, so every weight comes from memory as in a real forward), rounds alternating the order.
 
-    python benchmarks/qmm_kernel.py --against d4883a3 --threads 1 --json results/zen3/kernels/qmm_kernel_16ch_avx2_zen3.json
-    python benchmarks/qmm_kernel.py --against e0ef810 --threads 1 --shapes --stream --rows 1 2 4 8
+    python -m dev.qmm_kernel --against d4883a3 --threads 1 --json results/zen3/kernels/qmm_kernel_16ch_avx2_zen3.json
+    python -m dev.qmm_kernel --against e0ef810 --threads 1 --shapes --stream --rows 1 2 4 8
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import statistics
 import time
 
 import torch
-from _common import op_at_revision, options, parse, write_json
+from verispec.bench.script import options, parse, write_json
+
+from dev.revision import op_at_revision
 
 
 def _weights(n: int, k: int, bits: int, g: torch.Generator):

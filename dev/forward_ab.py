@@ -10,8 +10,8 @@ round's time is their mean. Running a tree against itself (`--before . --after .
 harness. Each tree builds its C++ operators in a
 folder of its own (compare_checkouts.extensions_dir).
 
-    python benchmarks/forward_ab.py --before /tmp/wt-before --after . --positions 1 8 --rounds 12 \
-        --json results/cpu/forward_ab.json
+    python -m dev.forward_ab --before /tmp/wt-before --after . --positions 1 8 --rounds 12 \
+        --json results/<machine-kind>/kernels/forward_ab.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from compare_checkouts import imported_from, launch, tree_commit
+from dev.compare_checkouts import imported_from, launch, tree_commit
 
 WORKER = r"""
 import json, statistics, sys, time, torch
@@ -109,7 +109,7 @@ def main() -> None:
     if args.json:
         from verispec.bench.environment import environment
 
-        out = {"command": "python benchmarks/forward_ab.py " + " ".join(sys.argv[1:]), "environment": environment(),
+        out = {"command": "python -m dev.forward_ab " + " ".join(sys.argv[1:]), "environment": environment(),
                "trees": {k: {"path": v, "commit": tree_commit(v)} for k, v in trees.items()},
                "weight_bytes": {k: r["weight_bytes"] for k, r in ready.items()}, "context": args.context, "model": args.model,
                "dtype": args.dtype, "weights": args.weights, "threads": args.threads, "workers": args.workers, "rounds": args.rounds,

@@ -3,7 +3,7 @@
 Starts the server, chats once and runs one race through the page (selenium + Debian's chromium and
 chromium-driver), and saves <out>/server_page_chat.png and <out>/server_page.png (the race view).
 
-    python benchmarks/server_screenshot.py --model smollm2-135m --out results
+    python -m dev.server_screenshot --model smollm2-135m --out docs/images
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--port", type=int, default=8766)
-    ap.add_argument("--out", default="results")
+    ap.add_argument("--out", default="docs/images")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the server (serve --threads)")
     ap.add_argument("--chat", default="Write a Python function that returns the squares of a list of numbers.")

@@ -2,7 +2,7 @@
 under a renamed operator, both are checked bit for bit on a sweep of shapes (head dims, head groupings, rows,
 lengths, orders, masked columns), then timed interleaved at decode and verification shapes (us per call).
 
-    python benchmarks/attend_kernel.py --against 831fae5 --threads 1 --json results/zen3/kernels/attend_kernel_full_chunks_avx2_zen3.json
+    python -m dev.attend_kernel --against 831fae5 --threads 1 --json results/zen3/kernels/attend_kernel_full_chunks_avx2_zen3.json
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import statistics
 import time
 
 import torch
-from _common import op_at_revision, options, parse, write_json
+from verispec.bench.script import options, parse, write_json
+
+from dev.revision import op_at_revision
 
 
 def _sweep(new, old) -> int:

@@ -16,7 +16,7 @@ and the shipped Medusa heads, after a context of --context tokens:
     (the shipped one when there is one, else random weights: the cost does not depend on them)
 Every figure is the median over --rounds rounds that measure every item once (the machine is shared).
 
-    .venv/bin/python benchmarks/head_cost.py --dtype bfloat16 --weights auto --json results/cpu/head_cost.json
+    .venv/bin/python -m dev.head_cost --dtype bfloat16 --weights auto --json results/<machine-kind>/heads/head_cost.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import statistics
 import time
 
 import torch
-from _common import options, parse, write_json
+from verispec.bench.script import options, parse, write_json
 
 
 def _ms(fn, repeat: int) -> float:
@@ -112,8 +112,7 @@ def main() -> None:
     items = {f"target_forward_1pos_{k}": (lambda k=k: target_step(k)) for k in runners}
     items.update(eagle_items(eagle, "eagle"))
     if a.python_steps:
-        slow = EagleDrafter.for_target(target)
-        slow._native = (False,)
+        slow = EagleDrafter.for_target(target, native=False)
         items.update({f"{k}[python]": v for k, v in eagle_items(slow, "eagle").items()})
     for path in a.eagle_head:
         items.update(eagle_items(EagleDrafter.for_target(target, path), f"eagle[{path.rstrip('/').split('/')[-1]}]"))
@@ -155,8 +154,7 @@ def main() -> None:
         items["dflash_shipped_block"] = lambda: d.propose(ctx, d.positions)
         items["dflash_shipped_dynamic_tree_16"] = lambda: d.propose_tree(ctx, DynamicTree(budget=16, topk=4, depth=d.positions))
         if a.python_steps:
-            slow_d = BlockDrafter.for_target(target)
-            slow_d._native = (False,)
+            slow_d = BlockDrafter.for_target(target, native=False)
             slow_d.begin(ctx, params, None)
             slow_d.observe_features(feats[:-1, cols["eagle"]])
             items["dflash_shipped_block[python]"] = lambda: slow_d.propose(ctx, slow_d.positions)

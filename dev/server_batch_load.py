@@ -14,7 +14,7 @@ the same run, then more clients on the batched one.
 Prompts: the first turns of a shipped prompt set (MT-Bench by default). The machine's load average is
 recorded around each phase: on shared cores the figures move with it.
 
-    python benchmarks/server_batch_load.py --model smollm2-135m --dtype bfloat16 --threads 1 \\
+    python -m dev.server_batch_load --model smollm2-135m --dtype bfloat16 --threads 1 \\
         --baseline-checkout /path/to/checkout-before-batching --json results/xeon/server/server-batch-load.json
 """
 
@@ -29,10 +29,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import command_line, write_json  # noqa: E402
-from load_test import first_turns, rss_mb, run_clients, start_server, stop_server, summarize, warm_up  # noqa: E402
-from soak_test import cpu_name  # noqa: E402
+from verispec.bench.script import command_line, write_json
+from benchmarks.load_test import first_turns, rss_mb, run_clients, start_server, stop_server, summarize, warm_up
+from benchmarks.soak_test import cpu_name
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -13,7 +13,7 @@ A head limited by its data or capacity misses where the target is sure; a head l
 uncertainty misses where p is low, and the bins' shares then bound what any cheap drafter of this target
 can reach for greedy decoding.
 
-    python benchmarks/head_ceiling.py --kind eagle --work .verispec-train/v8 --per-source 40 --bench 4 \
+    python -m dev.head_ceiling --kind eagle --work .verispec-train/v8 --per-source 40 --bench 4 \
         --threads 1 --json results/zen4/heads/eagle-ceiling-shipped-zen4.json
 """
 
@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 import torch
-from _common import options, parse, write_json
+from verispec.bench.script import options, parse, write_json
 
 BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001)
 

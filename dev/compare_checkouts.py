@@ -8,9 +8,9 @@ the public API (`verispec.api.build_engine`, `Engine.generate`) is used, so any 
 can be compared. Each tree builds its C++ operators in a folder of its own (`extensions_dir`; the first run
 of a tree builds them all, a few minutes).
 
-    python benchmarks/compare_checkouts.py --before /work/wt-before --after . \
+    python -m dev.compare_checkouts --before /work/wt-before --after . \
         --methods ar ngram suffix lookahead eagle eagle:dynamic medusa:dynamic dflash \
-        --per-task 1 --max-new-tokens 64 --dtype bfloat16 --threads 1 --json results/cpu/refactor.json
+        --per-task 1 --max-new-tokens 64 --dtype bfloat16 --threads 1 --json results/<machine-kind>/compare/refactor.json
 
 Prints, per method: whether every output is token for token equal, and tokens/s of each checkout with
 the after/before ratio (sum of new tokens / sum of generate time over the prompts). The ratio of one run
@@ -176,7 +176,7 @@ def main() -> None:
     if args.json:
         from verispec.bench.environment import environment
 
-        out = {"command": " ".join(["python", "benchmarks/" + Path(sys.argv[0]).name] + sys.argv[1:]), "environment": environment(),
+        out = {"command": " ".join(["python", "-m", "dev.compare_checkouts"] + sys.argv[1:]), "environment": environment(),
                "trees": {name: {"path": path, "commit": tree_commit(path)} for name, path in (("before", args.before),
                                                                                              ("after", args.after))},
                "model": args.model, "dtype": args.dtype, "threads": args.threads, "max_new_tokens": args.max_new_tokens,

@@ -4,7 +4,7 @@ side in rounds (medians), each against the floor of its format's weight bytes ov
 measured at the start of the same round. Exact mode runs both attentions: attend.py's kernel and
 canonical.py's PyTorch operations (rows "attention": "ops").
 
-    python benchmarks/native_step.py --threads 1 --json results/xeon/kernels/native_step_amx_1thread.json
+    python -m dev.native_step --threads 1 --json results/xeon/kernels/native_step_amx_1thread.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import statistics
 import time
 
 import torch
-from _common import options, parse, write_json
+from verispec.bench.script import options, parse, write_json
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ not what limits the head (capacity, training compute or a mismatch between train
 ones say more data pays. Every point resumes; points already in --json with the same steps are kept.
 
     gunzip -c train-data/smollm2-135m/answers.jsonl.gz > .verispec-train/lc/answers.jsonl
-    .venv/bin/python benchmarks/learning_curve.py --work .verispec-train/lc --prompts 3199 --layout eagle3 \\
+    .venv/bin/python -m dev.learning_curve --work .verispec-train/lc --prompts 3199 --layout eagle3 \\
         --points 30000 60000 120000 240000 --steps 200 --threads 1 --reference --json results/zen3/training/eagle-learning-curve.json
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from _common import options, write_json
+from verispec.bench.script import options, write_json
 
 
 def main() -> None:
