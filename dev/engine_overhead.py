@@ -21,9 +21,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prompt", default="Write a long essay about the history of Rome.")
     a = parse(ap)
-    from verispec.api import _params, build_engine
+    from verispec.api import build_engine
     from verispec.models import load_model
     from verispec.output import TextTracker
+    from verispec.types import SamplingParams
 
     target = load_model(a.model, dtype=a.dtype)
     ids = target.encode(chat=[{"role": "user", "content": a.prompt}])
@@ -38,7 +39,7 @@ def main() -> None:
         return out
 
     engine.runner.forward = timed
-    params = _params(max_new_tokens=a.tokens)
+    params = SamplingParams(max_new_tokens=a.tokens)
 
     def tracker(windowed: bool) -> tuple[float, str]:
         """The text tracker alone over the generation's ids, one more id a step as plain decoding commits them."""

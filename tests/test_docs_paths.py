@@ -53,3 +53,14 @@ def test_the_pattern_finds_paths_and_skips_history():
 def test_every_path_a_page_names_exists(page):
     missing = [p for named in _named(page.read_text()) for p in _expand(named) if not _exists(p)]
     assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+TOPICS = {"bench", "compare", "kernels", "heads", "training", "server"}
+
+
+def test_results_files_sit_in_machine_kind_and_topic_folders():
+    """results/<machine-kind>/<topic>/<file> (results/README.md): no file flat in results/ or a kind's folder."""
+    misplaced = [p.relative_to(ROOT).as_posix() for p in (ROOT / "results").rglob("*")
+                 if p.is_file() and p.name != "README.md"
+                 and (len(p.relative_to(ROOT / "results").parts) != 3 or p.parent.name not in TOPICS)]
+    assert not misplaced, f"results files outside results/<machine-kind>/<topic>/: {misplaced}"

@@ -58,8 +58,8 @@ def machine_kind() -> str:
 
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0).lower()
-        found = re.search(r"\b([a-z]{1,3}\d{2,4}[a-z]?)\b", name)
-        return found.group(1) if found else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+        found = re.search(r"\b([a-z]{1,3})[ -]?(\d{1,4}[a-z]?)\b", name)  # "H100 80GB HBM3", "RTX 4090", "T4"
+        return "".join(found.groups()) if found else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
     cpu = _cpu_model()
     if "Xeon" in cpu:
         return "xeon"
