@@ -10,8 +10,8 @@ premise: 16 positions should cost little more than 1), plus the bandwidth floor 
 copy bandwidth). tok/s counts new tokens over the whole generation (prefill of a short prompt included). Every figure
 is the median of --rounds rounds that each measure every configuration once, side by side.
 
-    .venv/bin/python benchmarks/fast_decode.py --model smollm2-135m --tokens 64
-    .venv/bin/python benchmarks/fast_decode.py --dtypes bfloat16 --no-compile --threads 1
+    .venv/bin/python -m benchmarks.fast_decode --model smollm2-135m --tokens 64
+    .venv/bin/python -m benchmarks.fast_decode --dtypes bfloat16 --no-compile --threads 1
 
 --weights bf16 q8 q4 measures the weights formats of fast/quant.py side by side instead of the engine
 variants: for each, plain decoding (exact mode) and n-gram speculation tok/s, and one forward over each
@@ -26,9 +26,8 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
+from verispec.bench.report import command_line
 import statistics
-import sys
 import time
 
 import torch
@@ -295,7 +294,7 @@ def main() -> None:
         del target, model
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"copy_bandwidth": bw, "copy_bandwidth_rounds": bws, "rows": rows, "command": shlex.join(["python", *sys.argv]),
+            json.dump({"copy_bandwidth": bw, "copy_bandwidth_rounds": bws, "rows": rows, "command": command_line(),
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _cpu()}, fh, indent=1)
 
 

@@ -5,9 +5,9 @@ per token (weight bytes / measured device copy bandwidth), and the cost of verif
 one forward against one token. Random weights decode nonsense, but every kernel and byte moved is that
 of a real Llama-3-8B-shaped model (hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocab 128256).
 
-    python benchmarks/fast_gpu_llama8b.py                 # on a CUDA GPU, bfloat16
-    python benchmarks/fast_gpu_llama8b.py --compile       # torch.compile'd layer steps
-    python benchmarks/fast_gpu_llama8b.py --dry-run       # CPU-sized model, checks the script end to end
+    python -m benchmarks.fast_gpu_llama8b                 # on a CUDA GPU, bfloat16
+    python -m benchmarks.fast_gpu_llama8b --compile       # torch.compile'd layer steps
+    python -m benchmarks.fast_gpu_llama8b --dry-run       # CPU-sized model, checks the script end to end
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Roofline + a short Spec-Bench run on one GPU, in under 8 minutes, needing only this repository.
 
-    python benchmarks/gpu_bench.py                 # on a CUDA machine: writes results/gpu/
-    python benchmarks/gpu_bench.py --dry-run       # same steps on the CPU with tiny sizes, into a temp folder
+    python -m benchmarks.gpu_bench                 # on a CUDA machine: writes results/<machine-kind>/bench/
+    python -m benchmarks.gpu_bench --dry-run       # same steps on the CPU with tiny sizes, into a temp folder
 
 What it runs (all greedy, batch 1):
   1. roofline of the target in bfloat16 and float32 (N = 1..256 over a 200-token context, median of 20
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a bare checkout without installing
 
 
 def smollm2_shaped_random(dtype, device):
@@ -46,7 +45,7 @@ def smollm2_shaped_random(dtype, device):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--out", default=None, help="results folder (default results/gpu, or results/gpu-dryrun)")
+    ap.add_argument("--out", default=None, help="results folder (default results/<machine-kind>/bench, e.g. results/h100/bench; --dry-run: a temp folder)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: checks the script end to end")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -62,7 +61,7 @@ def main() -> int:
 
     from verispec.bench import prompts as pr
     from verispec.bench import roofline as rl
-    from verispec.bench.environment import environment
+    from verispec.bench.environment import environment, machine_kind
     from verispec.bench.harness import run_bench
     from verispec.bench.report import compare, plot_roofline, write_bench, write_json
     from verispec.errors import VerispecError
@@ -81,7 +80,7 @@ def main() -> int:
             return 2
         device, ns, repeats, warmup, context = "cuda", rl.default_ns(256), 20, 5, 200
         max_new, cats = args.max_new_tokens, None
-        out = Path(args.out or ROOT / "results" / "gpu")
+        out = Path(args.out or ROOT / "results" / machine_kind() / "bench")
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     notes: dict = {"dry_run": args.dry_run, "device": device}

@@ -5,7 +5,7 @@ Tasks: the Spec-Bench public questions (--bench per task, the bench's seeded cho
 the held-out records of that training work folder (data.split_heldout; only meaningful for a head that
 was trained in that folder, since another head may have trained on them).
 
-    .venv/bin/python benchmarks/head_heldout.py --kind eagle --bench 4 --json results/cpu/eagle-heldout-shipped.json
+    .venv/bin/python -m benchmarks.head_heldout --kind eagle --bench 4 --json results/xeon/heads/eagle-heldout-shipped.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from _common import options, parse, write_json
+from verispec.bench.script import options, parse, write_json
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Starts the server itself (so it knows its process and can read its memory), or t
 client sends chat completions one after another; the report gives requests served, errors by status,
 p50/p95 latency, throughput, and the server's resident memory before and after.
 
-    python benchmarks/load_test.py --model smollm2-135m --clients 8 --requests 2 --max-tokens 16
+    python -m benchmarks.load_test --model smollm2-135m --clients 8 --requests 2 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 import time
 
 import httpx
-from _common import write_json
+from verispec.bench.script import write_json
 
 PROMPTS = [
     "Write a Python function that reverses a list.",

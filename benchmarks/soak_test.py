@@ -13,7 +13,7 @@ Phases (all by default; --phases picks some):
 
 The server is started here (`verispec serve`, loopback) so its memory can be read from /proc.
 
-    python benchmarks/soak_test.py --model smollm2-135m --soak 1000 --clients 32 --requests 2 \
+    python -m benchmarks.soak_test --model smollm2-135m --soak 1000 --clients 32 --requests 2 \
         --json results/soak_load_smollm2.json
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from load_test import PROMPTS, percentile, rss_mb, start_server  # noqa: E402
+from benchmarks.load_test import PROMPTS, percentile, rss_mb, start_server
+from verispec.bench.script import command_line
 
 
 def cpu_name() -> str:
@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     phases = args.phases.split(",")
-    report: dict = {"command": " ".join(["python", *sys.argv]), "model": args.model, "machine": cpu_name(),
+    report: dict = {"command": command_line(), "model": args.model, "machine": cpu_name(),
                     "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
                     "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if "runners" in phases:

@@ -178,9 +178,9 @@ def feature_drafter(cls, module, vocab_size: int, ctx: list[int], feats, copies:
     from verispec.types import SamplingParams
 
     d = cls(copy.deepcopy(module).eval(), vocab_size, weights_dtype=None if copies == "none" else torch.bfloat16,
-            quantized=copies == "8-bit")
+            quantized=copies == "8-bit", native=not python)
     if python:
-        d._native = (False,)
+        assert d._native_args() is None
     else:
         assert d._native_args() is not None
     d.begin(ctx, SamplingParams(), None)

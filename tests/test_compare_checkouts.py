@@ -1,10 +1,10 @@
-"""benchmarks/compare_checkouts.py runs each checkout's own code: a worker started from the repository root
+"""dev/compare_checkouts.py runs each checkout's own code: a worker started from the repository root
 with only PYTHONPATH set imported the root's verispec (a `-c` script puts its working directory first on
 sys.path), so both sides of a comparison ran the same tree."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -14,10 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("compare_checkouts", ROOT / "benchmarks" / "compare_checkouts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("dev.compare_checkouts")
 
 
 def _fake_checkout(path: Path) -> Path:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from verispec.output import _TextTracker
+from verispec.output import TextTracker
 
 # a byte-level vocabulary (as byte-level BPE tokenizers decode): ids 0-255 are single bytes, the rest pieces
 # of text, some of them multi-byte characters and parts of them
@@ -23,7 +23,7 @@ def spaced_decode(ids: list[int]) -> str:  # joins pieces with spaces: decoding 
     return " ".join(str(i) for i in ids)
 
 
-def run(tracker: _TextTracker, ids: list[int], rng: random.Random) -> tuple[list[str], str, list[int]]:
+def run(tracker: TextTracker, ids: list[int], rng: random.Random) -> tuple[list[str], str, list[int]]:
     """Feed ids in random step sizes -> (streamed pieces, final text, the id counts each decode call got)."""
     seen, real = [], tracker.decode
 
@@ -41,10 +41,8 @@ def run(tracker: _TextTracker, ids: list[int], rng: random.Random) -> tuple[list
     return pieces, tracker.text, seen
 
 
-def reference(decode, stop: tuple[str, ...]) -> _TextTracker:
-    t = _TextTracker(decode, stop)
-    t.next_try = float("inf")  # never moves the cut: every step decodes every id
-    return t
+def reference(decode, stop: tuple[str, ...]) -> TextTracker:
+    return TextTracker(decode, stop, windowed=False)  # never moves the cut: every step decodes every id
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -56,20 +54,20 @@ def test_windowed_text_equals_decoding_everything(seed, stop):
     while len(ids) < 600:  # text as a model writes it: whole characters, now and then a stray byte or half
         r = rng.random()  # characters split over two ids (the cut may fall between them), whole pieces, stray bytes
         ids += rng.choice([[266, 267], [268, 269]]) if r < 0.3 else rng.choice(whole) if r < 0.98 else [rng.choice([0xC3, 0xE6, 266, 268])]
-    got = run(_TextTracker(byte_decode, stop), ids, random.Random(seed))
+    got = run(TextTracker(byte_decode, stop), ids, random.Random(seed))
     want = run(reference(byte_decode, stop), ids, random.Random(seed))
     assert got[0] == want[0] and got[1] == want[1]
     assert "".join(got[0]) == got[1]
     # a step decodes a window's worth of ids (a cut that cannot move waits one window more), not the output
-    assert max(got[2]) <= 5 * _TextTracker.WINDOW
+    assert max(got[2]) <= 5 * TextTracker.WINDOW
     if not stop:
-        assert got[1] == byte_decode(ids) and max(want[2]) == len(ids) > 5 * _TextTracker.WINDOW
+        assert got[1] == byte_decode(ids) and max(want[2]) == len(ids) > 5 * TextTracker.WINDOW
 
 
 def test_the_cut_stays_where_decoding_apart_would_change_the_text():
     rng = random.Random(0)
     ids = [rng.randrange(1000) for _ in range(300)]
-    t = _TextTracker(spaced_decode, ())
+    t = TextTracker(spaced_decode, ())
     got = run(t, ids, random.Random(1))
     assert t.cut == 0 and got[1] == spaced_decode(ids)
     assert got[0] == run(reference(spaced_decode, ()), ids, random.Random(1))[0]

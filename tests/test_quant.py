@@ -249,7 +249,7 @@ def test_smollm2_q4_runs_the_files_own_blocks():
             bound = ((8 * groups.d.abs() + (groups.m + 8 * groups.d).abs()) * BF16_U).repeat_interleave(32, 1)
             assert (err <= bound * (1 + 1e-6) + 1e-7).all()
             worst = max(worst, float(err.max()))
-    # PyTorch's int4 kernel: 0.0215 on this file (results/cpu/quant_error_smollm2-135m.json); qmm: 2.4e-7
+    # PyTorch's int4 kernel: 0.0215 on this file (results/xeon/kernels/quant_error_smollm2-135m.json); qmm: 2.4e-7
     assert worst <= (2 ** -5 if isinstance(lw[key], quant.Int4) else 1e-6)
     head = source.dense("lm_head.weight")
     assert not quant.is_int4(net.lm_head)

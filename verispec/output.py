@@ -19,7 +19,7 @@ class StepEvent:
     text: str          # the new text these tokens made visible (may lag a token behind at UTF-8/stop boundaries)
 
 
-class _TextTracker:
+class TextTracker:
     """Incremental detokenization with stop strings: holds back text that may still become a stop
     string or an incomplete UTF-8 character.
 
@@ -33,14 +33,16 @@ class _TextTracker:
 
     WINDOW = 32
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], windowed: bool = True):
+        """windowed False: every step decodes every id (the reference the windowed text must equal; the
+        cost it saves is measured by dev/engine_overhead.py)."""
         self.decode, self.stop = decode, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.emitted = ""
         self.text = ""
         self.stopped = False
         self.cut, self.head = 0, ""  # ids[:cut] decode to head
-        self.next_try = 2 * self.WINDOW  # where moving the cut is tried next
+        self.next_try = 2 * self.WINDOW if windowed else float("inf")  # where moving the cut is tried next
 
     def _decode(self, ids: list[int]) -> str:
         tail = self.decode(ids[self.cut:])
@@ -77,7 +79,7 @@ class Output:
                  decode: Callable[[list[int]], str]):
         self.context, self.out, self.kinds, self.finish = list(prompt_ids), [], [], ""
         self.params, self.eos_ids, self.context_length = params, eos_ids, context_length
-        self.text = _TextTracker(decode, params.stop)
+        self.text = TextTracker(decode, params.stop)
 
     def room(self) -> int:
         """Tokens the generation may still commit."""

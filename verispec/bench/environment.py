@@ -50,6 +50,24 @@ def _kernel_threads() -> int | None:
     return ops.parallel_threads()
 
 
+def machine_kind() -> str:
+    """The folder results/ files a run under (results/<machine-kind>/<topic>/): the GPU's model where one
+    runs (e.g. "h100"), else the CPU family whose instruction sets the figures depend on: "xeon", "zen4"
+    (AMD with AVX-512), "zen3" (AMD with AVX2 only), or the processor's name for any other."""
+    import re
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        found = re.search(r"\b([a-z]{1,3})[ -]?(\d{1,4}[a-z]?)\b", name)  # "H100 80GB HBM3", "RTX 4090", "T4"
+        return "".join(found.groups()) if found else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    cpu = _cpu_model()
+    if "Xeon" in cpu:
+        return "xeon"
+    if "AMD" in cpu:
+        return "zen4" if "avx512f" in _cpu_flags() else "zen3"
+    return re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-") or "cpu"
+
+
 def environment(target=None) -> dict:
     """Versions and hardware, stored with every result so runs on different machines can be compared."""
     import transformers

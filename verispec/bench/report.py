@@ -52,9 +52,16 @@ def load_result(path: str | Path) -> dict:
 
 
 def command_line() -> str:
-    """This process's command line as one would type it again: `verispec ...` or `python script ...`."""
+    """This process's command line as one would type it again: `verispec ...`, `python -m module ...` (the
+    scripts in benchmarks/ and dev/) or `python script ...`."""
     head = sys.argv[0]
-    words = ["verispec"] if Path(head).name in ("verispec", "__main__.py") else ["python", head]
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if Path(head).name in ("verispec", "__main__.py"):
+        words = ["verispec"]
+    elif spec is not None and spec.name:
+        words = ["python", "-m", spec.name]
+    else:
+        words = ["python", head]
     return shlex.join(words + sys.argv[1:])
 
 

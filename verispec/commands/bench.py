@@ -45,7 +45,7 @@ def roofline(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     backend: str = typer.Option("auto", "--backend", help="auto (the engine's default: the fast path where the family has one), hf or fast."),
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
-    output: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON file (default results/roofline-MODEL-DTYPE-DEVICE.json); the PNG goes next to it."),
+    output: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON file (default results/MACHINE-KIND/bench/roofline-MODEL-DTYPE-DEVICE.json); the PNG goes next to it."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
     """Time one target forward over N new positions (N = 1..256): the free positions of speculative decoding."""
@@ -68,7 +68,7 @@ def roofline(
 
     result["environment"] = environment(target)
     result["environment"]["torch_threads"] = torch.get_num_threads()
-    path = output or Path("results") / f"roofline-{_slug(model)}-{result['dtype']}-{target.device.type}.json"
+    path = output or _results_dir() / f"roofline-{_slug(model)}-{result['dtype']}-{target.device.type}.json"
     write_json(result, path)
     png = plot_roofline(result, Path(path).with_suffix(".png"))
     out.print(rl.format_table(result))
@@ -137,7 +137,7 @@ def bench(
     device: str = typer.Option("cpu", "--device"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     seed: int = typer.Option(0, "--seed", help="Seed of the question sample."),
-    output: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON file (default results/bench-MODEL-DTYPE.json); .md and PNGs go next to it."),
+    output: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON file (default results/MACHINE-KIND/bench/bench-MODEL-DTYPE.json); .md and PNGs go next to it."),
     plots: bool = typer.Option(True, "--plots/--no-plots"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
     batch_size: list[str] = typer.Option([], "--batch-size", "-B", help="Run the prompts through a batch of this many sequences with continuous admission (repeatable or comma list; 'sweep' = 1,2,4,8,16), instead of one at a time; every greedy output is checked against plain batch-1 decoding."),
@@ -197,7 +197,7 @@ def bench(
     result = run_bench(target, specs, questions, draft=draft_model, baselines=names, max_new_tokens=max_new_tokens,
                        draft_length=draft_length, warmup=warmup, prompt_mode=prompt_mode, roofline=roofline_file,
                        progress=progress, threads=threads, prompt_set=prompts)
-    path = output or Path("results") / f"bench-{_slug(model)}-{result['config']['dtype']}.json"
+    path = output or _results_dir() / f"bench-{_slug(model)}-{result['config']['dtype']}.json"
     files = write_bench(result, path, plots=plots)
     md = markdown(result)
     out.print(md[md.index("## Overall"):md.index("## Per category")].strip(), markup=False)  # labels hold [..]
@@ -216,7 +216,7 @@ def _bench_batched(target, specs, questions, draft_model, sizes, settings, *, mo
     from verispec.bench.report import batch_markdown, batch_mismatch_lines, batch_table, write_batch_bench
 
     result = run_batch_bench(target, specs, questions, batch_sizes=sizes, positions=settings, draft=draft_model, **kwargs)
-    path = output or Path("results") / f"bench-batch-{_slug(model)}-{result['config']['dtype']}.json"
+    path = output or _results_dir() / f"bench-batch-{_slug(model)}-{result['config']['dtype']}.json"
     files = write_batch_bench(result, path, plots=plots)
     md = batch_markdown(result)
     out.print(md[md.index("- plain, unbatched"):md.index("- speedup:")].strip(), markup=False)
@@ -226,6 +226,13 @@ def _bench_batched(target, specs, questions, draft_model, sizes, settings, *, mo
         err.print(escape(line), style="bold red")
     if result["mismatches"]:
         fail("a batched greedy output differs from plain batch-1 decoding (see above)", code=1)
+
+
+def _results_dir() -> Path:
+    """Where a run's files go unless --out says: results/<machine-kind>/bench/ (results/README.md)."""
+    from verispec.bench.environment import machine_kind
+
+    return Path("results") / machine_kind() / "bench"
 
 
 @friendly

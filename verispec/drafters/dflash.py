@@ -151,8 +151,8 @@ class DFlashDrafter(FeatureQueue, PositionDrafting):
     name = "dflash"
 
     def __init__(self, model: DFlashModel, target_vocab_size: int, weights_dtype: torch.dtype | None = None,
-                 quantized: bool = False):
-        """weights_dtype, quantized: as EagleDrafter's (PackedLinears.pack_for_inference)."""
+                 quantized: bool = False, native: bool = True):
+        """weights_dtype, quantized, native: as EagleDrafter's (PackedLinears.pack_for_inference)."""
         self.model = model.eval()
         if weights_dtype is not None:
             model.pack_for_inference(weights_dtype, quantized)
@@ -162,13 +162,13 @@ class DFlashDrafter(FeatureQueue, PositionDrafting):
         self.device, self.dtype = p.device, p.dtype
         self.d2t = model.d2t.to(self.device)
         self.params, self.generator = SamplingParams(), None
-        self._native: tuple | None = None  # _native_args, once built
+        self._native: tuple | None = None if native else (False,)  # _native_args, once built
         self.reset()
 
     @classmethod
-    def for_target(cls, target, head: str | Path | None = None) -> "DFlashDrafter":
+    def for_target(cls, target, head: str | Path | None = None, native: bool = True) -> "DFlashDrafter":
         return cls(load_dflash_model(target, head), target.vocab_size, weights_dtype=target.dtype,
-                   quantized=quant.target_format(target) != "bf16")
+                   quantized=quant.target_format(target) != "bf16", native=native)
 
     @property
     def positions(self) -> int:

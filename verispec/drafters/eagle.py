@@ -166,10 +166,11 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
     name = "eagle"
 
     def __init__(self, head: EagleHead, target_vocab_size: int, weights_dtype: torch.dtype | None = None,
-                 quantized: bool = False):
+                 quantized: bool = False, native: bool = True):
         """weights_dtype: draft with packed copies of the head's weights in this dtype (the target's,
         see EagleHead.pack_for_inference), 8-bit ones where `quantized` (the target runs quantized
-        weights); None drafts with the parameters as they are."""
+        weights); None drafts with the parameters as they are. native False: the Python operations run
+        even where the native step could (the reference it is tested against; dev/head_cost.py times both)."""
         self.head = head.eval()
         if weights_dtype is not None:
             head.pack_for_inference(weights_dtype, quantized)
@@ -180,15 +181,15 @@ class EagleDrafter(FeatureQueue, HeadDrafting):
         self.d2t = head.d2t.to(self.device)
         self.params, self.generator = SamplingParams(), None
         self.prune = True  # dynamic trees: stop expanding once no deeper node can be kept (same tree, less work)
-        self._native: tuple | None = None  # _native_args, once built
+        self._native: tuple | None = None if native else (False,)  # _native_args, once built
         self.K = torch.zeros(head.num_layers, head.n_kv, 0, head.head_dim, dtype=self.dtype, device=self.device)
         self.V = self.K.clone()
         self.reset()
 
     @classmethod
-    def for_target(cls, target, head: str | Path | None = None) -> "EagleDrafter":
+    def for_target(cls, target, head: str | Path | None = None, native: bool = True) -> "EagleDrafter":
         return cls(load_eagle_head(target, head), target.vocab_size, weights_dtype=target.dtype,
-                   quantized=quant.target_format(target) != "bf16")
+                   quantized=quant.target_format(target) != "bf16", native=native)
 
     def reset(self) -> None:
         self.n = 0                       # committed entries in the head's cache (positions 0..n-1)

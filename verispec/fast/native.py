@@ -1,7 +1,7 @@
 """The layer step as one native call: core.layer_step's ATen operations issued from C++, not from Python.
 
 Why. A decode step of a small model is a few hundred small operations; from Python each costs its
-interpreter and binding overhead on top of the kernel (benchmarks/native_step.py measures what this
+interpreter and binding overhead on top of the kernel (dev/native_step.py measures what this
 saves). The C++ (verispec/csrc/native_step.cpp) issues THE SAME ATen operations in the same order with the same arguments as
 core.layer_step (rms_norm -- norm.py's kernel where core.rms_norm calls it --, the projection kernels of
 packed.py / quant.py, rope.py's rotation and cache write -- its kernel or the roll and index_copy_ --,

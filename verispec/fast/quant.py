@@ -218,10 +218,10 @@ def target_format(target) -> str:
 # Passes of at least this many rows run a dense copy of the quantized weights (their dequantization rounded
 # to bfloat16, packed as the bf16 format packs its weights), where the dense GEMM costs less than the
 # quantized kernel, whose cost grows with the rows while the dense one stays flat to 32 rows. PyTorch's
-# kernels dequantize every weight again for each small block of rows (results/cpu/fast_decode_weights_amx_1thread.json:
+# kernels dequantize every weight again for each small block of rows (results/xeon/kernels/fast_decode_weights_amx_1thread.json:
 # q4 below bf16 at 4 positions, even at 8; q8 below at 4, above at 8); qmm.py's grow more slowly (its
-# integer dot products at ~1 per cycle; results/cpu/native_step_qmm_amx_1thread.json: q4 below bf16 at 8,
-# above at 16; q8 about even at 8). benchmarks/wide_rows.py measures the crossover directly. Only passes
+# integer dot products at ~1 per cycle; results/xeon/kernels/native_step_qmm_amx_1thread.json: q4 below bf16 at 8,
+# above at 16; q8 about even at 8). b8521ea:benchmarks/wide_rows.py measures the crossover directly. Only passes
 # whose rows may round otherwise than plain decoding's run it: prefill, and every pass outside exact mode
 # (decoder.py).
 WIDE_ROWS = {"q8": 6, "q4": 8}
@@ -231,17 +231,17 @@ WIDE_ROWS_QMM = {"q8": 8, "q4": 16}
 def wide_rows(fmt: str) -> int | None:
     """The row count from which format `fmt`'s passes may run the dense copy (None: never). Never where
     qmm runs and the CPU has no bf16 instructions (AVX2): the dense copy is packed.py's bf16 hybrid there,
-    slower than qmm at every row count, a 256-token prefill included (results/cpu/wide_rows_avx2_zen3_1thread.json)."""
+    slower than qmm at every row count, a 256-token prefill included (results/zen3/kernels/wide_rows_avx2_zen3_1thread.json)."""
     if _use_qmm() and not packed.available(torch.bfloat16, torch.device("cpu")):
         return None
     return (WIDE_ROWS_QMM if _use_qmm() else WIDE_ROWS).get(fmt)
 
 
 # what "auto" runs for a quantized file, chosen by benchmarks/fast_decode.py --weights side by side
-# (results/cpu/fast_decode_weights_*.json): on qmm.py's kernel q4 decodes ~2.8x faster than the dense bf16
+# (results/*/kernels/fast_decode_weights_*.json): on qmm.py's kernel q4 decodes ~2.8x faster than the dense bf16
 # weights and its 8-position verification still costs less than bf16's, so the file's own 4-bit weights are
 # the default there (on AVX2 CPUs too, where bf16 has no instructions of its own and q4 decodes ~5x faster:
-# results/cpu/native_step_qmm_avx2_zen3_1thread.json); PyTorch's int4 / int8 kernels cost time per row
+# results/zen3/kernels/native_step_qmm_avx2_zen3_1thread.json); PyTorch's int4 / int8 kernels cost time per row
 # (docs/performance-notes.md): q4 wins plain decoding of short prompts but loses speculation's wider passes
 # to the dense packed weights, which stay the default on CPUs without qmm (no AVX2)
 def default_format() -> str:
