@@ -1,7 +1,8 @@
-"""Every repository path that README.md and docs/*.md name exists: results files (results/<machine-kind>/
-<topic>/...), docs pages, benchmark scripts, contributor harnesses in dev/, images. A path the text
-abbreviates (`...`) cannot be checked, so it fails too; `*` must match a file, `{a,b}` each of its names.
-A path after `REV:` (as in `git show 4e9e5f7:benchmarks/x.py`) names git history and is not checked."""
+"""Every repository path that README.md and docs/*.md name exists: results files
+(results/<machine-kind>/<topic>/...), docs pages, benchmark scripts, contributor harnesses in dev/, images,
+source and test files. A path the text abbreviates (`...`) cannot be checked, so it fails too; `*` must
+match a file, `{a,b}` each of its names. A path after `REV:` (as in `git show 4e9e5f7:benchmarks/x.py`)
+names git history and is not checked."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a repo path: one of the top folders, then path characters; not preceded by a path or a `REV:` prefix
-PATH = re.compile(r"(?<![\w/.:-])(?:\.\./)?((?:results|docs|benchmarks|dev)/[\w./*{},-]*)")
+PATH = re.compile(r"(?<![\w/.:-])(?:\.\./)?((?:results|docs|benchmarks|dev|verispec|tests)/[\w./*{},-]*)")
 
 
 def _named(text: str) -> list[str]:
