@@ -36,5 +36,5 @@ def op_at_revision(rev: str, source: str, op: str, flags) -> object:
             .replace(f'm.def("{op}(', f'm.def("{op}_at_rev(').replace(f'm.impl("{op}"', f'm.impl("{op}_at_rev"'))
     path = Path(tempfile.mkdtemp()) / f"{op}_at_{rev[:12]}.cpp"
     path.write_text(text)
-    ops.load(ops.Kernel(str(path), flags.cflags, flags.tag))
+    ops.load(ops.Kernel(str(path), flags))
     return getattr(torch.ops.verispec, f"{op}_at_rev")

@@ -54,15 +54,14 @@ class Kernel:
     """One C++ file of verispec/csrc and how it is built."""
 
     source: str                 # its file name in verispec/csrc (a path elsewhere: an A/B of another revision)
-    cflags: tuple[str, ...]     # the compiler flags beyond torch's (optimisation level, -march, ...)
-    tag: str = ""               # what this build is for (a CPU level, an ATen capability): part of its name
+    flags: Flags                # its compiler flags and what the build is for
     openmp: bool = True         # an OpenMP build (the operators: at::parallel_for runs on torch's threads)
     python_module: bool = False  # a Python module (PYBIND11_MODULE), else torch.ops registrations
 
     @property
     def name(self) -> str:
         """The extension's name (its .so and its folder under kernel_dir)."""
-        return "verispec_" + Path(self.source).stem + (f"_{self.tag}" if self.tag else "")
+        return "verispec_" + Path(self.source).stem + (f"_{self.flags.tag}" if self.flags.tag else "")
 
 
 def install_key(package: str | None = None, prefix: str | None = None, torch_version: str | None = None,
@@ -111,7 +110,7 @@ def load(kernel: Kernel):
             log.warning("removing %s, left by a build that did not finish", stale)
             stale.unlink(missing_ok=True)
         omp = ["-fopenmp"] if kernel.openmp else []
-        mod = build(kernel.name, sources=[str(CSRC / kernel.source)], extra_cflags=list(kernel.cflags) + omp,
+        mod = build(kernel.name, sources=[str(CSRC / kernel.source)], extra_cflags=list(kernel.flags.cflags) + omp,
                     extra_ldflags=omp, build_directory=str(folder), is_python_module=kernel.python_module,
                     verbose=False)
     return mod if kernel.python_module else None
@@ -148,7 +147,7 @@ class Operator:
             flags = self._flags()
             if isinstance(flags, str):
                 return flags, False
-            self._module = load(Kernel(self.source, flags.cflags, flags.tag, self._openmp, self._python_module))
+            self._module = load(Kernel(self.source, flags, self._openmp, self._python_module))
             for op in self._registers:
                 getattr(torch.ops.verispec, op)  # raises where the load did not register it
             if self._ready is not None:
@@ -173,7 +172,7 @@ class Operator:
         return self._module if self.available() is None else None
 
 
-PROBE = Kernel("parallel_probe.cpp", ("-O2",))
+PROBE = Kernel("parallel_probe.cpp", Flags(("-O2",)))
 
 
 def parallel_threads() -> int | None:
